@@ -1,0 +1,433 @@
+#include "strata/memory/chunk_manager.h"
+
+#include <cstdlib>
+#include <cstring>
+
+#include "strata/core/bytes.h"
+#include "strata/core/error.h"
+#include "strata/core/log.h"
+
+namespace strata::memory {
+
+namespace {
+
+// Marks a chunk as part of the move in progress for the guard's lifetime.
+class BusyGuard {
+ public:
+  explicit BusyGuard(bool& flag) : flag_(flag), previous_(flag) { flag_ = true; }
+  ~BusyGuard() { flag_ = previous_; }
+  BusyGuard(const BusyGuard&) = delete;
+  BusyGuard& operator=(const BusyGuard&) = delete;
+
+ private:
+  bool& flag_;
+  bool previous_;
+};
+
+struct AlignedFree {
+  void operator()(void* p) const noexcept { std::free(p); }
+};
+using AlignedBuffer = std::unique_ptr<void, AlignedFree>;
+
+AlignedBuffer aligned_buffer(size_t alignment, size_t bytes) {
+  void* p = std::aligned_alloc(alignment, round_up(bytes, alignment));
+  STRATA_CHECK(p != nullptr, "could not allocate a ", format_bytes(bytes), " staging buffer");
+  return AlignedBuffer(p);
+}
+
+}  // namespace
+
+ChunkManager::ChunkManager(ChunkManagerOptions options)
+    : budgets_(options.budgets),
+      device_(options.device ? std::move(options.device) : offload::make_device_memory()),
+      host_(options.host_arena),
+      nvme_(std::move(options.nvme)),
+      policy_(options.policy ? std::move(options.policy) : std::make_unique<LruPolicy>()),
+      world_size_(options.world_size) {
+  STRATA_CHECK(world_size_ >= 1, "world size must be at least 1, got ", world_size_);
+  STRATA_CHECK(budgets_.nvme == 0 || nvme_ != nullptr, "an nvme budget of ", format_bytes(budgets_.nvme),
+               " was given but no NVMe store is configured; set the nvme budget to 0 or attach a store");
+  if (nvme_) {
+    STRATA_CHECK(kChunkAlignment % nvme_->alignment() == 0, "NVMe store ", nvme_->describe(), " needs ",
+                 nvme_->alignment(), "-byte alignment, more than the ", kChunkAlignment,
+                 "-byte chunk alignment");
+  }
+  for (int t = 0; t < kNumTiers; ++t) stats_[t].budget = budgets_.of(static_cast<Tier>(t));
+}
+
+ChunkManager::~ChunkManager() {
+  for (auto& c : chunks_) free_payload(*c);
+}
+
+// --- registration ----------------------------------------------------------
+
+Registration ChunkManager::register_tensors(const std::vector<TensorSpec>& tensors, const FamilySpec& spec,
+                                            int64_t chunk_elems) {
+  std::vector<int64_t> numels;
+  numels.reserve(tensors.size());
+  for (const TensorSpec& t : tensors) numels.push_back(t.numel);
+  std::vector<ChunkLayout> layouts = pack_tensors(numels, chunk_elems, world_size_);
+  const ChunkSizePlan plan = summarize_packing(layouts, chunk_elems);
+  std::lock_guard<std::mutex> lock(mu_);
+  return register_layouts(tensors, spec, std::move(layouts), plan);
+}
+
+Registration ChunkManager::register_tensors(const std::vector<TensorSpec>& tensors, const FamilySpec& spec,
+                                            const ChunkSizeSearch& search) {
+  std::vector<int64_t> numels;
+  numels.reserve(tensors.size());
+  for (const TensorSpec& t : tensors) numels.push_back(t.numel);
+  ChunkSizeSearch s = search;
+  s.world_size = world_size_;
+  const ChunkSizePlan plan = search_chunk_size(numels, s);
+  std::vector<ChunkLayout> layouts = pack_tensors(numels, plan.chunk_elems, world_size_);
+  std::lock_guard<std::mutex> lock(mu_);
+  return register_layouts(tensors, spec, std::move(layouts), plan);
+}
+
+Registration ChunkManager::register_layouts(const std::vector<TensorSpec>& tensors, const FamilySpec& spec,
+                                            std::vector<ChunkLayout> layouts, const ChunkSizePlan& plan) {
+  STRATA_CHECK(spec.optim_states >= 0 && spec.optim_states <= 8, "optimizer state chunks per family must be in "
+               "[0, 8], got ", spec.optim_states);
+  Registration reg;
+  reg.plan = plan;
+  reg.tensors.resize(tensors.size());
+  for (ChunkLayout& layout : layouts) {
+    ChunkFamily fam;
+    fam.id = static_cast<FamilyId>(families_.size());
+    fam.layout = std::make_shared<const ChunkLayout>(std::move(layout));
+    for (size_t s = 0; s < fam.layout->slots.size(); ++s) {
+      const TensorSlot& slot = fam.layout->slots[s];
+      fam.tensor_names.push_back(tensors[slot.tensor_index].name);
+      reg.tensors[slot.tensor_index] = TensorPlacement{fam.id, s, slot.offset, slot.numel};
+    }
+    fam.param = new_chunk(fam.id, fam.layout, ChunkRole::kParam, 0, spec.param_dtype);
+    if (spec.param_dtype != DType::kFloat32) {
+      fam.master = new_chunk(fam.id, fam.layout, ChunkRole::kMaster, 0, DType::kFloat32);
+    }
+    fam.grad = spec.separate_grad
+                   ? new_chunk(fam.id, fam.layout, ChunkRole::kGrad, 0, spec.grad_dtype.value_or(spec.param_dtype))
+                   : fam.param;
+    for (int i = 0; i < spec.optim_states; ++i) {
+      fam.optim_states.push_back(new_chunk(fam.id, fam.layout, ChunkRole::kOptimState, i, DType::kFloat32));
+    }
+    reg.families.push_back(fam.id);
+    families_.push_back(std::move(fam));
+  }
+  return reg;
+}
+
+ChunkId ChunkManager::new_chunk(FamilyId family, std::shared_ptr<const ChunkLayout> layout, ChunkRole role,
+                                int index, DType dtype) {
+  auto c = std::make_unique<Chunk>();
+  c->id_ = static_cast<ChunkId>(chunks_.size());
+  c->family_ = family;
+  c->role_ = role;
+  c->role_index_ = index;
+  c->dtype_ = dtype;
+  c->states_.assign(layout->slots.size(), TensorState::kFree);
+  c->layout_ = std::move(layout);
+  chunks_.push_back(std::move(c));
+  return chunks_.back()->id_;
+}
+
+// --- lookup ----------------------------------------------------------------
+
+Chunk& ChunkManager::chunk_locked(ChunkId id) {
+  STRATA_CHECK(id >= 0 && static_cast<size_t>(id) < chunks_.size(), "unknown chunk id ", id, " (",
+               chunks_.size(), " chunks registered)");
+  return *chunks_[id];
+}
+
+const Chunk& ChunkManager::chunk_locked(ChunkId id) const {
+  return const_cast<ChunkManager*>(this)->chunk_locked(id);
+}
+
+const Chunk& ChunkManager::chunk(ChunkId id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return chunk_locked(id);
+}
+
+const ChunkFamily& ChunkManager::family(FamilyId id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  STRATA_CHECK(id >= 0 && static_cast<size_t>(id) < families_.size(), "unknown chunk family id ", id);
+  return families_[id];
+}
+
+size_t ChunkManager::num_chunks() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return chunks_.size();
+}
+
+size_t ChunkManager::num_families() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return families_.size();
+}
+
+// --- residency -------------------------------------------------------------
+
+void* ChunkManager::access(ChunkId id, Tier tier) {
+  std::lock_guard<std::mutex> lock(mu_);
+  STRATA_CHECK(tier != Tier::kNvme, "chunks are accessed on device or host; use move() to offload to nvme");
+  Chunk& c = chunk_locked(id);
+  move_locked(c, tier);
+  policy_->on_access(c.id_, tier);
+  return c.ptr_;
+}
+
+void ChunkManager::move(ChunkId id, Tier tier) {
+  std::lock_guard<std::mutex> lock(mu_);
+  move_locked(chunk_locked(id), tier);
+}
+
+void ChunkManager::move_locked(Chunk& c, Tier to) {
+  if (c.location_ == to) return;
+  STRATA_CHECK(c.movable(), "cannot move ", c.describe(), " to ", tier_name(to), ": ", c.compute_count_,
+               " of its tensors are in COMPUTE; finish the operator (transition to HOLD) first");
+  BusyGuard busy(c.busy_);
+  if (!c.location_) {
+    materialize(c, to == Tier::kNvme ? Tier::kHost : to);
+    if (to != Tier::kNvme) return;
+  }
+  // device <-> nvme is staged through host, see Note [Eviction cascade].
+  if (*c.location_ != Tier::kHost && to != Tier::kHost) transfer(c, Tier::kHost);
+  transfer(c, to);
+}
+
+void ChunkManager::materialize(Chunk& c, Tier to) {
+  STRATA_ASSERT(to != Tier::kNvme, "chunks are materialised in addressable memory");
+  const size_t bytes = c.alloc_bytes();
+  make_room(to, bytes, c);
+  void* ptr = allocate(to, bytes);
+  if (to == Tier::kDevice) {
+    try {
+      device_->fill_zero(ptr, bytes);
+    } catch (...) {
+      device_->deallocate(ptr);
+      account(to, -static_cast<int64_t>(bytes), -1);
+      throw;
+    }
+  } else {
+    std::memset(ptr, 0, bytes);
+  }
+  c.ptr_ = ptr;
+  c.location_ = to;
+}
+
+void ChunkManager::transfer(Chunk& c, Tier to) {
+  const Tier from = *c.location_;
+  STRATA_ASSERT(from != to && (from == Tier::kHost || to == Tier::kHost), "transfer ", tier_name(from), " -> ",
+                tier_name(to), " is not one hop");
+  const size_t bytes = c.alloc_bytes();
+  make_room(to, bytes, c);
+  void* dst = to == Tier::kNvme ? nullptr : allocate(to, bytes);
+  try {
+    if (to == Tier::kNvme) {
+      account(Tier::kNvme, static_cast<int64_t>(bytes), 1);
+      nvme_->write(c.id_, c.ptr_, bytes);
+    } else if (from == Tier::kNvme) {
+      nvme_->read(c.id_, dst, bytes);
+    } else if (to == Tier::kDevice) {
+      device_->copy_from_host(dst, c.ptr_, bytes);
+    } else {
+      device_->copy_to_host(dst, c.ptr_, bytes);
+    }
+  } catch (...) {
+    // The source is untouched and stays the chunk's payload.
+    if (to == Tier::kNvme) {
+      nvme_->discard(c.id_);
+      account(Tier::kNvme, -static_cast<int64_t>(bytes), -1);
+    } else {
+      (to == Tier::kDevice ? device_->deallocate(dst) : host_.deallocate(dst));
+      account(to, -static_cast<int64_t>(bytes), -1);
+    }
+    throw;
+  }
+  free_payload(c);
+  c.ptr_ = dst;
+  c.location_ = to;
+  moves_.bytes[static_cast<int>(from)][static_cast<int>(to)] += bytes;
+  moves_.count[static_cast<int>(from)][static_cast<int>(to)] += 1;
+}
+
+void ChunkManager::make_room(Tier tier, size_t bytes, const Chunk& requester) {
+  TierStats& s = stats_[static_cast<int>(tier)];
+  STRATA_CHECK(tier != Tier::kNvme || nvme_ != nullptr, "cannot place ", requester.describe(),
+               " on the nvme tier: no NVMe store is configured; raise the host budget or attach an NVMe store");
+  STRATA_CHECK(bytes <= s.budget, tier_name(tier), " budget ", format_bytes(s.budget), " is smaller than ",
+               requester.describe(), " (", format_bytes(bytes), "); raise the ", tier_name(tier),
+               " budget or lower the chunk size");
+  while (s.used + bytes > s.budget) {
+    std::vector<ChunkId> candidates;
+    if (tier != Tier::kNvme) {
+      for (const auto& c : chunks_) {
+        if (c->location_ == tier && c->movable() && !c->busy_) candidates.push_back(c->id_);
+      }
+    }
+    STRATA_CHECK(!candidates.empty(), tier_name(tier), " tier cannot fit ", format_bytes(bytes), " for ",
+                 requester.describe(), ": budget ", format_bytes(s.budget), ", ", format_bytes(s.used),
+                 " resident in ", s.chunks, " chunks, none evictable",
+                 tier == Tier::kNvme ? " (nvme is the last tier)" : " (in COMPUTE or part of this move)", ". ",
+                 residency_report_locked(tier), ". Raise the ", tier_name(tier),
+                 " budget, lower the chunk size, or release chunks");
+    const ChunkId victim_id = policy_->choose_victim(tier, candidates);
+    Chunk& victim = chunk_locked(victim_id);
+    STRATA_ASSERT(victim.location_ == tier && victim.movable() && !victim.busy_, "policy ", policy_->name(),
+                  " chose ", victim.describe(), ", which is not an eviction candidate on ", tier_name(tier));
+    STRATA_LOG(kDebug, "evicting {} from {} to make room for {}", victim.describe(), tier_name(tier),
+               requester.describe());
+    move_locked(victim, next_lower_tier(tier));
+    s.evictions += 1;
+  }
+}
+
+void* ChunkManager::allocate(Tier tier, size_t bytes) {
+  STRATA_ASSERT(tier != Tier::kNvme, "nvme payloads live in the store");
+  void* ptr = tier == Tier::kDevice ? device_->allocate(bytes) : host_.allocate(bytes);
+  account(tier, static_cast<int64_t>(bytes), 1);
+  return ptr;
+}
+
+void ChunkManager::free_payload(Chunk& c) noexcept {
+  if (!c.location_) return;
+  const Tier tier = *c.location_;
+  const size_t bytes = c.alloc_bytes();
+  switch (tier) {
+    case Tier::kDevice: device_->deallocate(c.ptr_); break;
+    case Tier::kHost: host_.deallocate(c.ptr_); break;
+    case Tier::kNvme: nvme_->discard(c.id_); break;
+  }
+  account(tier, -static_cast<int64_t>(bytes), -1);
+  c.ptr_ = nullptr;
+  c.location_.reset();
+  policy_->on_leave(c.id_, tier);
+}
+
+void ChunkManager::account(Tier tier, int64_t bytes, int64_t chunks) {
+  TierStats& s = stats_[static_cast<int>(tier)];
+  s.used = static_cast<uint64_t>(static_cast<int64_t>(s.used) + bytes);
+  s.chunks += chunks;
+  STRATA_ASSERT(s.used <= s.budget, tier_name(tier), " tier over budget: ", s.used, " > ", s.budget);
+  s.peak = std::max(s.peak, s.used);
+}
+
+void ChunkManager::release(ChunkId id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Chunk& c = chunk_locked(id);
+  STRATA_CHECK(c.movable(), "cannot release ", c.describe(), ": ", c.compute_count_,
+               " of its tensors are in COMPUTE");
+  free_payload(c);
+}
+
+void ChunkManager::transition(ChunkId id, size_t slot, TensorState to) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Chunk& c = chunk_locked(id);
+  const TensorState from = c.state(slot);
+  if (!is_legal_transition(from, to)) {
+    std::string legal;
+    for (int s = 0; s < kNumTensorStates; ++s) {
+      if (is_legal_transition(from, static_cast<TensorState>(s))) {
+        legal += std::string(legal.empty() ? "" : ", ") + tensor_state_name(static_cast<TensorState>(s));
+      }
+    }
+    STRATA_FAIL("illegal tensor state transition ", tensor_state_name(from), " -> ", tensor_state_name(to),
+                " for tensor '", families_[c.family_].tensor_names[slot], "' (slot ", slot, ") of ",
+                c.describe(), "; from ", tensor_state_name(from), " only ", legal, " may follow");
+  }
+  if (to == TensorState::kCompute) {
+    STRATA_CHECK(c.location_ == Tier::kDevice || c.location_ == Tier::kHost, "tensor '",
+                 families_[c.family_].tensor_names[slot], "' cannot enter COMPUTE: ", c.describe(),
+                 " is not resident on device or host; access() it first");
+    ++c.compute_count_;
+  }
+  if (from == TensorState::kCompute) --c.compute_count_;
+  c.states_[slot] = to;
+}
+
+// --- payload access ----------------------------------------------------------
+
+void* ChunkManager::data(ChunkId id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  const Chunk& c = chunk_locked(id);
+  STRATA_CHECK(c.location_ == Tier::kDevice || c.location_ == Tier::kHost, "no addressable payload for ",
+               c.describe(), "; access() it on device or host first");
+  return c.ptr_;
+}
+
+void ChunkManager::read(ChunkId id, void* host_dst, size_t bytes) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  const Chunk& c = chunk_locked(id);
+  STRATA_CHECK(bytes == c.payload_bytes(), "read of ", bytes, " bytes from ", c.describe(), " whose payload is ",
+               c.payload_bytes(), " bytes");
+  STRATA_CHECK(c.location_.has_value(), "cannot read ", c.describe(), ": it has no payload");
+  switch (*c.location_) {
+    case Tier::kDevice: device_->copy_to_host(host_dst, c.ptr_, bytes); break;
+    case Tier::kHost: std::memcpy(host_dst, c.ptr_, bytes); break;
+    case Tier::kNvme: {
+      // The store reads whole aligned blocks; the staging buffer is transient
+      // caller-side memory, outside the tier budgets.
+      AlignedBuffer staging = aligned_buffer(nvme_->alignment(), c.alloc_bytes());
+      nvme_->read(c.id_, staging.get(), c.alloc_bytes());
+      std::memcpy(host_dst, staging.get(), bytes);
+      break;
+    }
+  }
+}
+
+void ChunkManager::write(ChunkId id, const void* host_src, size_t bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Chunk& c = chunk_locked(id);
+  STRATA_CHECK(bytes == c.payload_bytes(), "write of ", bytes, " bytes to ", c.describe(), " whose payload is ",
+               c.payload_bytes(), " bytes");
+  STRATA_CHECK(c.location_.has_value(), "cannot write ", c.describe(), ": it has no payload; access() it first");
+  switch (*c.location_) {
+    case Tier::kDevice: device_->copy_from_host(c.ptr_, host_src, bytes); break;
+    case Tier::kHost: std::memcpy(c.ptr_, host_src, bytes); break;
+    case Tier::kNvme: {
+      AlignedBuffer staging = aligned_buffer(nvme_->alignment(), c.alloc_bytes());
+      std::memset(static_cast<char*>(staging.get()) + bytes, 0, c.alloc_bytes() - bytes);
+      std::memcpy(staging.get(), host_src, bytes);
+      nvme_->write(c.id_, staging.get(), c.alloc_bytes());
+      break;
+    }
+  }
+}
+
+// --- accounting ----------------------------------------------------------------
+
+TierStats ChunkManager::tier_stats(Tier tier) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stats_[static_cast<int>(tier)];
+}
+
+MoveStats ChunkManager::move_stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return moves_;
+}
+
+std::string ChunkManager::residency_report(Tier tier) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return residency_report_locked(tier);
+}
+
+std::string ChunkManager::residency_report_locked(Tier tier) const {
+  constexpr int kListed = 8;
+  const TierStats& s = stats_[static_cast<int>(tier)];
+  std::string out = std::string("resident on ") + tier_name(tier) + ": " + format_bytes(s.used) + " of " +
+                    format_bytes(s.budget) + " in " + std::to_string(s.chunks) + " chunks";
+  int listed = 0;
+  for (const auto& c : chunks_) {
+    if (c->location_ != tier) continue;
+    if (listed == kListed) {
+      out += ", ...";
+      break;
+    }
+    out += std::string(listed == 0 ? ": " : ", ") + c->describe();
+    if (c->compute_count_ > 0) out += " [" + std::to_string(c->compute_count_) + " in COMPUTE]";
+    if (c->busy_) out += " [moving]";
+    ++listed;
+  }
+  return out;
+}
+
+}  // namespace strata::memory

@@ -1,0 +1,122 @@
+#pragma once
+// Chunk and ChunkFamily: the unit of memory the runtime moves, shards and updates.
+//
+// A chunk is one flat buffer of one dtype holding many tensors at element
+// offsets (ChunkLayout). Tensors of a family are registered together; the
+// family's chunks share one layout: the parameter chunk in compute precision,
+// the fp32 master chunk (only when the compute precision is not fp32), the
+// gradient chunk (or the parameter chunk reused after backward, Gemini's
+// reuse_fp16_chunk) and the fp32 optimizer-state chunks. The ChunkManager owns
+// every chunk and its payload; everything else holds ids.
+//
+// Invariants: a chunk's payload lives on at most one tier at a time; a chunk
+// with any tensor in COMPUTE is never moved, evicted or released.
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "strata/memory/chunk_layout.h"
+#include "strata/memory/eviction_policy.h"
+#include "strata/memory/tensor_state.h"
+#include "strata/memory/types.h"
+
+namespace strata::memory {
+
+using FamilyId = int32_t;
+
+enum class ChunkRole : uint8_t {
+  kParam = 0,       // compute-precision parameters (fp32, bf16 or fp16)
+  kMaster = 1,      // fp32 master weights; only for bf16/fp16 parameters
+  kGrad = 2,        // gradients
+  kOptimState = 3,  // fp32 optimizer state (Adam m, v; momentum), indexed by role_index
+};
+const char* chunk_role_name(ChunkRole role);
+
+struct TensorSpec {
+  std::string name;
+  int64_t numel = 0;
+};
+
+struct FamilySpec {
+  DType param_dtype = DType::kFloat32;
+  /// fp32 optimizer-state chunks per family: 2 for Adam/AdamW, 1 for SGD
+  /// with momentum or Lion, 0 for plain SGD.
+  int optim_states = 0;
+  /// false: gradients reuse the parameter chunk after backward.
+  bool separate_grad = true;
+  /// Gradient dtype; unset means the parameter dtype.
+  std::optional<DType> grad_dtype;
+};
+
+class Chunk {
+ public:
+  ChunkId id() const noexcept { return id_; }
+  FamilyId family() const noexcept { return family_; }
+  ChunkRole role() const noexcept { return role_; }
+  int role_index() const noexcept { return role_index_; }
+  DType dtype() const noexcept { return dtype_; }
+  const ChunkLayout& layout() const noexcept { return *layout_; }
+  int64_t capacity_elems() const noexcept { return layout_->capacity_elems; }
+  size_t payload_bytes() const noexcept;
+  /// Bytes this chunk occupies on a tier: the payload rounded to kChunkAlignment.
+  size_t alloc_bytes() const noexcept;
+
+  /// Where the payload is; nullopt when it has none (never materialised, or released).
+  std::optional<Tier> location() const noexcept { return location_; }
+  bool resident_on(Tier tier) const noexcept { return location_ == tier; }
+
+  size_t num_tensors() const noexcept { return states_.size(); }
+  TensorState state(size_t slot) const;
+  int compute_count() const noexcept { return compute_count_; }
+  /// False while any tensor is in COMPUTE.
+  bool movable() const noexcept { return compute_count_ == 0; }
+
+  /// "chunk 3 (param bf16 of family 1, 4.00 MiB, on host)".
+  std::string describe() const;
+
+ private:
+  friend class ChunkManager;
+  ChunkId id_ = 0;
+  FamilyId family_ = 0;
+  ChunkRole role_ = ChunkRole::kParam;
+  int role_index_ = 0;
+  DType dtype_ = DType::kFloat32;
+  std::shared_ptr<const ChunkLayout> layout_;
+  std::optional<Tier> location_;
+  void* ptr_ = nullptr;  // payload on device or host; the store holds nvme payloads
+  std::vector<TensorState> states_;
+  int compute_count_ = 0;
+  bool busy_ = false;  // part of the move in progress: never an eviction candidate
+};
+
+struct ChunkFamily {
+  FamilyId id = 0;
+  std::shared_ptr<const ChunkLayout> layout;
+  std::vector<std::string> tensor_names;  // parallel to layout->slots
+  ChunkId param = -1;
+  std::optional<ChunkId> master;
+  ChunkId grad = -1;  // == param when the gradient reuses the parameter chunk
+  std::vector<ChunkId> optim_states;
+
+  /// Every distinct chunk of the family.
+  std::vector<ChunkId> members() const;
+};
+
+/// Where a registered tensor landed.
+struct TensorPlacement {
+  FamilyId family = 0;
+  size_t slot = 0;
+  int64_t offset = 0;  // elements from the start of every chunk of the family
+  int64_t numel = 0;
+};
+
+struct Registration {
+  std::vector<FamilyId> families;
+  std::vector<TensorPlacement> tensors;  // parallel to the registered list
+  ChunkSizePlan plan;
+};
+
+}  // namespace strata::memory

@@ -1,0 +1,144 @@
+#pragma once
+// ChunkManager: owns every chunk and its payload, on three budgeted tiers.
+//
+// It registers tensors into chunk families, makes chunks resident on a tier
+// and releases them, and evicts through an EvictionPolicy when a tier would go
+// over budget: device -> host -> nvme (see Note [Eviction cascade]). Budgets
+// are hard limits: tier_stats(t).used never exceeds the budget, and a request
+// that eviction cannot satisfy throws strata::Error naming the tier, the bytes
+// requested, the budget and what is resident, and changes nothing it could not
+// complete (no chunk loses its payload).
+//
+// Thread safety: every public member takes the manager's lock.
+//
+// Note [Eviction cascade]
+// Making room on a tier evicts one chunk at a time to the next lower tier
+// until the request fits. Making room there may in turn evict from it, so a
+// device request can push a host chunk to nvme. Chunks taking part in the
+// move in progress are marked busy and are never candidates, so a cascade
+// cannot evict the chunk it is making room for. Moves between non-adjacent
+// tiers go through host (nvme <-> device is staged in host memory, which is
+// accounted like any other host residency). A move allocates the destination,
+// copies, and only then frees the source: when the copy fails, the source is
+// still the valid payload.
+
+#include <array>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "strata/memory/chunk.h"
+#include "strata/memory/chunk_layout.h"
+#include "strata/memory/eviction_policy.h"
+#include "strata/memory/swap_store.h"
+#include "strata/memory/types.h"
+#include "strata/offload/device_memory.h"
+#include "strata/offload/host_arena.h"
+
+namespace strata::memory {
+
+struct ChunkManagerOptions {
+  TierBudgets budgets;
+  /// The device tier's memory; null: offload::make_device_memory() (CUDA if
+  /// usable, else emulated in host memory).
+  std::shared_ptr<offload::DeviceMemory> device;
+  offload::HostArenaOptions host_arena;
+  /// The nvme tier; null: no nvme tier (its budget must then be 0).
+  std::shared_ptr<SwapStore> nvme;
+  /// null: LruPolicy.
+  std::unique_ptr<EvictionPolicy> policy;
+  /// Ranks a chunk is sharded over (ZeRO); chunk capacities are multiples of it.
+  int world_size = 1;
+};
+
+struct TierStats {
+  uint64_t budget = 0;
+  uint64_t used = 0;  // bytes of chunk payloads on the tier now
+  uint64_t peak = 0;  // highest `used` since construction
+  int64_t chunks = 0;
+  uint64_t evictions = 0;  // chunks evicted from this tier to make room
+};
+
+struct MoveStats {
+  // [from][to], indexed by Tier.
+  std::array<std::array<uint64_t, kNumTiers>, kNumTiers> bytes{};
+  std::array<std::array<uint64_t, kNumTiers>, kNumTiers> count{};
+};
+
+class ChunkManager {
+ public:
+  explicit ChunkManager(ChunkManagerOptions options);
+  ~ChunkManager();
+  ChunkManager(const ChunkManager&) = delete;
+  ChunkManager& operator=(const ChunkManager&) = delete;
+
+  /// Packs `tensors` into families of `chunk_elems`-element chunks (Note [Chunk packing]).
+  Registration register_tensors(const std::vector<TensorSpec>& tensors, const FamilySpec& spec,
+                                int64_t chunk_elems);
+  /// Same, with the chunk size chosen by search_chunk_size over `search`.
+  Registration register_tensors(const std::vector<TensorSpec>& tensors, const FamilySpec& spec,
+                                const ChunkSizeSearch& search);
+
+  const Chunk& chunk(ChunkId id) const;
+  const ChunkFamily& family(FamilyId id) const;
+  size_t num_chunks() const;
+  size_t num_families() const;
+
+  /// Makes the chunk resident on `tier` (device or host) and returns its
+  /// payload (a device pointer under CUDA). A chunk without payload is
+  /// materialised there, zero-filled. Counts as a use for the policy.
+  void* access(ChunkId id, Tier tier);
+  /// Moves the payload to any tier, nvme included. Not a use for the policy.
+  void move(ChunkId id, Tier tier);
+  /// Drops the payload wherever it is. The chunk must have no tensor in COMPUTE.
+  void release(ChunkId id);
+  /// Moves one tensor of the chunk through the state machine (tensor_state.h).
+  /// Entering COMPUTE needs the payload on device or host, and pins it there.
+  void transition(ChunkId id, size_t slot, TensorState to);
+
+  /// The payload on device or host; throws when it is elsewhere or absent.
+  void* data(ChunkId id) const;
+  /// Copies the payload (payload_bytes()) to host memory, from whichever tier holds it.
+  void read(ChunkId id, void* host_dst, size_t bytes) const;
+  /// Overwrites the payload (payload_bytes()) from host memory, on the tier that holds it.
+  void write(ChunkId id, const void* host_src, size_t bytes);
+
+  TierStats tier_stats(Tier tier) const;
+  MoveStats move_stats() const;
+  const offload::DeviceMemory& device() const { return *device_; }
+  const offload::HostArena& host_arena() const { return host_; }
+  const EvictionPolicy& policy() const { return *policy_; }
+  /// Human summary of what is resident on `tier`, for messages and tools.
+  std::string residency_report(Tier tier) const;
+
+ private:
+  Chunk& chunk_locked(ChunkId id);
+  const Chunk& chunk_locked(ChunkId id) const;
+  Registration register_layouts(const std::vector<TensorSpec>& tensors, const FamilySpec& spec,
+                                std::vector<ChunkLayout> layouts, const ChunkSizePlan& plan);
+  ChunkId new_chunk(FamilyId family, std::shared_ptr<const ChunkLayout> layout, ChunkRole role, int index,
+                    DType dtype);
+  void move_locked(Chunk& c, Tier to);
+  void transfer(Chunk& c, Tier to);  // one hop: device<->host or host<->nvme
+  void materialize(Chunk& c, Tier to);
+  void make_room(Tier tier, size_t bytes, const Chunk& requester);
+  void* allocate(Tier tier, size_t bytes);
+  void free_payload(Chunk& c) noexcept;
+  void account(Tier tier, int64_t bytes, int64_t chunks);
+  std::string residency_report_locked(Tier tier) const;
+
+  mutable std::mutex mu_;
+  TierBudgets budgets_;
+  std::shared_ptr<offload::DeviceMemory> device_;
+  offload::HostArena host_;
+  std::shared_ptr<SwapStore> nvme_;
+  std::unique_ptr<EvictionPolicy> policy_;
+  int world_size_;
+  std::vector<std::unique_ptr<Chunk>> chunks_;
+  std::vector<ChunkFamily> families_;
+  std::array<TierStats, kNumTiers> stats_{};
+  MoveStats moves_;
+};
+
+}  // namespace strata::memory

@@ -1,0 +1,34 @@
+#pragma once
+// SwapStore: the interface the `nvme` tier plugs into.
+//
+// The chunk manager keeps a chunk's bytes on the nvme tier by handing them to
+// a SwapStore under the chunk's id. The offload issue provides the real store
+// (NvmeStore: preallocated files, O_DIRECT io_uring, xxhash per chunk, fault
+// injection); this header fixes what the manager relies on:
+//  - write() either stores all bytes under `key` or throws strata::Error, and a
+//    failed write leaves any earlier copy under `key` readable;
+//  - read() returns exactly the bytes last written, or throws (short read,
+//    checksum mismatch, EIO), naming the file, offset and chunk. It never
+//    returns wrong data silently;
+//  - host buffers passed in are aligned to alignment() and sizes are multiples of it.
+// The calls are synchronous here; the copy engine makes them asynchronous.
+
+#include <cstddef>
+#include <string>
+
+namespace strata::memory {
+
+class SwapStore {
+ public:
+  virtual ~SwapStore() = default;
+
+  virtual void write(int64_t key, const void* src, size_t bytes) = 0;
+  virtual void read(int64_t key, void* dst, size_t bytes) = 0;
+  /// Forgets `key`; its space can be reused. Never throws.
+  virtual void discard(int64_t key) noexcept = 0;
+  virtual size_t alignment() const noexcept = 0;
+  /// For messages: "nvme store at /scratch/strata (3 files)".
+  virtual std::string describe() const = 0;
+};
+
+}  // namespace strata::memory

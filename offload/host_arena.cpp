@@ -1,0 +1,188 @@
+#include "strata/offload/host_arena.h"
+
+#include <jemalloc/jemalloc.h>
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <map>
+#include <mutex>
+
+#include "strata/core/bytes.h"
+#include "strata/core/error.h"
+#include "strata/core/log.h"
+#include "strata/offload/cuda_runtime.h"
+#include "strata/offload/topology.h"
+
+namespace strata::offload {
+
+// See Note [Host memory from extent hooks]. `hooks` must stay the first member:
+// jemalloc hands the hook functions the extent_hooks_t pointer it was given,
+// and they cast it back to the Impl.
+struct HostArena::Impl {
+  extent_hooks_t hooks{};
+  HostArenaOptions options;
+  unsigned arena = 0;
+  bool arena_created = false;
+  bool bind_numa = false;
+  unsigned numa_node = 0;
+
+  std::mutex mutex;
+  struct Mapping {
+    size_t bytes;
+    bool pinned;
+  };
+  std::map<uintptr_t, Mapping> mappings;  // base address -> mapping
+  uint64_t mapped_bytes = 0;
+  bool all_pinned = true;
+  bool all_bound = true;
+  std::atomic<uint64_t> allocated_bytes{0};
+
+  static Impl* from(extent_hooks_t* h) { return reinterpret_cast<Impl*>(h); }
+
+  // The mapping that contains [addr, addr+size), or nullptr.
+  const std::pair<const uintptr_t, Mapping>* find_mapping(uintptr_t addr, size_t size) {
+    auto it = mappings.upper_bound(addr);
+    if (it == mappings.begin()) return nullptr;
+    --it;
+    if (addr + size > it->first + it->second.bytes) return nullptr;
+    return &*it;
+  }
+
+  static void* hook_alloc(extent_hooks_t* h, void* new_addr, size_t size, size_t alignment, bool* zero,
+                          bool* commit, unsigned /*arena_ind*/) {
+    if (new_addr != nullptr) return nullptr;  // no in-place growth: always a fresh mapping
+    Impl* self = from(h);
+    alignment = std::max<size_t>(alignment, 4096);
+    const size_t span = size + alignment;
+    void* raw = mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (raw == MAP_FAILED) return nullptr;  // jemalloc turns this into a failed mallocx
+    const uintptr_t base = reinterpret_cast<uintptr_t>(raw);
+    const uintptr_t aligned = (base + alignment - 1) & ~(uintptr_t{alignment} - 1);
+    if (aligned > base) munmap(raw, aligned - base);
+    const uintptr_t end = base + span;
+    if (end > aligned + size) munmap(reinterpret_cast<void*>(aligned + size), end - (aligned + size));
+    void* ptr = reinterpret_cast<void*>(aligned);
+
+    bool bound = false;
+    if (self->bind_numa) bound = bind_to_numa_node(ptr, size, self->numa_node);
+    const bool pinned = self->options.pin && cuda::host_register(ptr, size);
+    {
+      std::lock_guard<std::mutex> lock(self->mutex);
+      self->mappings[aligned] = Mapping{size, pinned};
+      self->mapped_bytes += size;
+      self->all_pinned = self->all_pinned && pinned;
+      self->all_bound = self->all_bound && bound;
+    }
+    *zero = true;  // fresh anonymous pages
+    *commit = true;
+    return ptr;
+  }
+
+  // Opt out of returning memory: jemalloc retains the extent for reuse, and
+  // the mapping (with its registration) lives until the arena is destroyed.
+  static bool hook_dalloc(extent_hooks_t*, void*, size_t, bool, unsigned) { return true; }
+  static void hook_destroy(extent_hooks_t*, void*, size_t, bool, unsigned) {}
+  static bool hook_split(extent_hooks_t*, void*, size_t, size_t, size_t, bool, unsigned) { return false; }
+  static bool hook_merge(extent_hooks_t* h, void* a, size_t size_a, void* b, size_t size_b, bool, unsigned) {
+    Impl* self = from(h);
+    std::lock_guard<std::mutex> lock(self->mutex);
+    const auto* ma = self->find_mapping(reinterpret_cast<uintptr_t>(a), size_a);
+    const auto* mb = self->find_mapping(reinterpret_cast<uintptr_t>(b), size_b);
+    return !(ma != nullptr && ma == mb);  // false = merged; only within one mapping
+  }
+
+  void release_mappings() noexcept {
+    for (const auto& [base, m] : mappings) {
+      if (m.pinned) cuda::host_unregister(reinterpret_cast<void*>(base));
+      munmap(reinterpret_cast<void*>(base), m.bytes);
+    }
+    mappings.clear();
+    mapped_bytes = 0;
+  }
+};
+
+HostArena::HostArena(HostArenaOptions options) : impl_(std::make_unique<Impl>()) {
+  STRATA_CHECK(options.alignment >= 4096 && (options.alignment & (options.alignment - 1)) == 0,
+               "host arena alignment must be a power of two of at least 4096 bytes, got ", options.alignment);
+  impl_->options = options;
+  impl_->hooks.alloc = &Impl::hook_alloc;
+  impl_->hooks.dalloc = &Impl::hook_dalloc;
+  impl_->hooks.destroy = &Impl::hook_destroy;
+  impl_->hooks.split = &Impl::hook_split;
+  impl_->hooks.merge = &Impl::hook_merge;
+  // commit/decommit/purge stay null: mappings are always committed and never purged.
+
+  const MachineTopology& topo = machine_topology();
+  impl_->numa_node = options.numa_node.value_or(current_numa_node());
+  impl_->bind_numa = topo.numa_nodes.size() > 1;
+
+  extent_hooks_t* hooks = &impl_->hooks;
+  size_t size = sizeof(impl_->arena);
+  const int rc = mallctl("arenas.create", &impl_->arena, &size, &hooks, sizeof(hooks));
+  STRATA_CHECK(rc == 0, "jemalloc could not create a host arena: mallctl(arenas.create) returned ", rc, " (",
+               std::strerror(rc), ")");
+  impl_->arena_created = true;
+}
+
+HostArena::~HostArena() {
+  if (!impl_ || !impl_->arena_created) return;
+  const uint64_t live = impl_->allocated_bytes.load();
+  if (live != 0) {
+    // Destroying the arena would unmap memory still in use; leak it instead.
+    STRATA_LOG(kError, "host arena {} destroyed with {} bytes still allocated; its memory is leaked",
+               impl_->arena, live);
+    impl_.release();
+    return;
+  }
+  const std::string cmd = "arena." + std::to_string(impl_->arena) + ".destroy";
+  const int rc = mallctl(cmd.c_str(), nullptr, nullptr, nullptr, 0);
+  if (rc != 0) {
+    STRATA_LOG(kError, "mallctl({}) failed: {}; host arena memory is leaked", cmd, std::strerror(rc));
+    impl_.release();
+    return;
+  }
+  impl_->release_mappings();
+}
+
+void* HostArena::allocate(size_t bytes) {
+  const size_t align = impl_->options.alignment;
+  const size_t rounded = std::max<size_t>(static_cast<size_t>(round_up(bytes, align)), align);
+  void* ptr = mallocx(rounded, MALLOCX_ALIGN(align) | MALLOCX_ARENA(impl_->arena) | MALLOCX_TCACHE_NONE);
+  STRATA_CHECK(ptr != nullptr, "host memory exhausted: could not allocate ", rounded,
+               " bytes from the strata host arena (mapped so far: ", impl_->mapped_bytes,
+               " bytes); lower the host budget or free memory");
+  impl_->allocated_bytes += sallocx(ptr, MALLOCX_TCACHE_NONE);
+  return ptr;
+}
+
+void HostArena::deallocate(void* ptr) noexcept {
+  if (ptr == nullptr) return;
+  impl_->allocated_bytes -= sallocx(ptr, MALLOCX_TCACHE_NONE);
+  dallocx(ptr, MALLOCX_TCACHE_NONE);
+}
+
+size_t HostArena::alignment() const noexcept { return impl_->options.alignment; }
+unsigned HostArena::arena_index() const noexcept { return impl_->arena; }
+
+HostArenaStats HostArena::stats() const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  HostArenaStats s;
+  s.mapped_bytes = impl_->mapped_bytes;
+  s.allocated_bytes = impl_->allocated_bytes.load();
+  s.mappings = impl_->mappings.size();
+  s.pinned = !impl_->mappings.empty() && impl_->all_pinned;
+  s.numa_bound = !impl_->mappings.empty() && impl_->all_bound;
+  s.numa_node = impl_->numa_node;
+  return s;
+}
+
+std::string jemalloc_version() {
+  const char* version = nullptr;
+  size_t size = sizeof(version);
+  if (mallctl("version", &version, &size, nullptr, 0) != 0 || version == nullptr) return "unknown";
+  return version;
+}
+
+}  // namespace strata::offload

@@ -1,0 +1,319 @@
+#include "strata/memory/chunk_manager.h"
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <numeric>
+#include <vector>
+
+#include "memory/test_swap_store.h"
+#include "strata/core/error.h"
+#include "strata/offload/device_memory.h"
+
+namespace strata::memory {
+namespace {
+
+using testing::TestSwapStore;
+
+constexpr int64_t kElems = 1024;  // fp32: exactly one 4 KiB page per chunk
+constexpr uint64_t kPage = 4096;
+
+ChunkManagerOptions options(uint64_t device, uint64_t host, uint64_t nvme = 0,
+                            std::shared_ptr<SwapStore> store = nullptr) {
+  ChunkManagerOptions o;
+  o.budgets = {device, host, nvme};
+  o.device = offload::make_emulated_device_memory();
+  o.nvme = std::move(store);
+  return o;
+}
+
+// n single-tensor fp32 families with one chunk each; returns their param chunk ids.
+std::vector<ChunkId> add_chunks(ChunkManager& mgr, int n) {
+  std::vector<TensorSpec> specs;
+  for (int i = 0; i < n; ++i) specs.push_back({"t" + std::to_string(i), kElems});
+  const Registration reg = mgr.register_tensors(specs, FamilySpec{}, kElems);
+  std::vector<ChunkId> ids;
+  for (FamilyId f : reg.families) ids.push_back(mgr.family(f).param);
+  return ids;
+}
+
+std::vector<float> pattern(ChunkId id, float salt = 0) {
+  std::vector<float> v(kElems);
+  for (int64_t i = 0; i < kElems; ++i) v[i] = static_cast<float>(id * 100000 + i) + salt;
+  return v;
+}
+
+void fill(ChunkManager& mgr, ChunkId id, Tier tier, float salt = 0) {
+  mgr.access(id, tier);
+  const auto v = pattern(id, salt);
+  mgr.write(id, v.data(), v.size() * sizeof(float));
+}
+
+std::vector<float> contents(const ChunkManager& mgr, ChunkId id) {
+  std::vector<float> v(kElems);
+  mgr.read(id, v.data(), v.size() * sizeof(float));
+  return v;
+}
+
+TEST(ChunkManager, RegistersFamiliesWithSharedLayout) {
+  ChunkManager mgr(options(1 << 20, 1 << 20));
+  FamilySpec spec;
+  spec.param_dtype = DType::kBFloat16;
+  spec.optim_states = 2;
+  const Registration reg = mgr.register_tensors({{"a", 300}, {"b", 500}, {"c", 900}}, spec, 1000);
+  ASSERT_EQ(reg.families.size(), 2u);  // [a, b] then [c]
+  EXPECT_EQ(reg.tensors[1].family, reg.families[0]);
+  EXPECT_EQ(reg.tensors[1].offset, 300);
+  EXPECT_EQ(reg.tensors[2].family, reg.families[1]);
+  EXPECT_EQ(reg.plan.waste_elems(), 2000 - 1700);
+  const ChunkFamily& fam = mgr.family(reg.families[0]);
+  ASSERT_TRUE(fam.master.has_value());
+  EXPECT_EQ(mgr.chunk(fam.param).dtype(), DType::kBFloat16);
+  EXPECT_EQ(mgr.chunk(*fam.master).dtype(), DType::kFloat32);
+  EXPECT_EQ(mgr.chunk(fam.grad).dtype(), DType::kBFloat16);
+  ASSERT_EQ(fam.optim_states.size(), 2u);
+  EXPECT_EQ(mgr.chunk(fam.optim_states[1]).role(), ChunkRole::kOptimState);
+  EXPECT_EQ(mgr.chunk(fam.optim_states[1]).role_index(), 1);
+  EXPECT_EQ(fam.members().size(), 5u);
+  for (ChunkId id : fam.members()) {
+    EXPECT_EQ(&mgr.chunk(id).layout(), fam.layout.get()) << "one layout per family";
+    EXPECT_FALSE(mgr.chunk(id).location().has_value());
+  }
+  EXPECT_EQ(mgr.chunk(fam.param).payload_bytes(), 2000u);
+  EXPECT_EQ(mgr.chunk(*fam.master).payload_bytes(), 4000u);
+}
+
+TEST(ChunkManager, Fp32FamilyHasNoMasterAndCanReuseTheParamChunkForGrads) {
+  ChunkManager mgr(options(1 << 20, 1 << 20));
+  FamilySpec spec;
+  spec.separate_grad = false;
+  spec.optim_states = 1;
+  const Registration reg = mgr.register_tensors({{"w", 100}}, spec, 100);
+  const ChunkFamily& fam = mgr.family(reg.families[0]);
+  EXPECT_FALSE(fam.master.has_value());
+  EXPECT_EQ(fam.grad, fam.param);
+  EXPECT_EQ(fam.members().size(), 2u);
+}
+
+TEST(ChunkManager, AutoChunkSizeUsesTheSearch) {
+  ChunkManager mgr(options(1 << 20, 1 << 20));
+  const Registration reg =
+      mgr.register_tensors({{"a", 6}, {"b", 5}, {"c", 4}, {"d", 3}, {"e", 10}}, FamilySpec{}, ChunkSizeSearch{8, 12, 1, 1});
+  EXPECT_EQ(reg.plan.chunk_elems, 11);
+  EXPECT_EQ(reg.families.size(), 3u);
+}
+
+TEST(ChunkManager, EveryBufferIsAligned) {
+  auto store = std::make_shared<TestSwapStore>();
+  ChunkManager mgr(options(8 * kPage, 8 * kPage, 64 * kPage, store));
+  FamilySpec spec;
+  spec.param_dtype = DType::kFloat16;
+  spec.optim_states = 2;
+  // Odd sizes so that payloads are not page multiples.
+  const Registration reg = mgr.register_tensors({{"a", 333}, {"b", 777}, {"c", 5}}, spec, 1111);
+  for (FamilyId f : reg.families) {
+    for (ChunkId id : mgr.family(f).members()) {
+      for (Tier t : {Tier::kDevice, Tier::kHost}) {
+        void* p = mgr.access(id, t);
+        EXPECT_EQ(reinterpret_cast<uintptr_t>(p) % kChunkAlignment, 0u) << mgr.chunk(id).describe();
+        EXPECT_EQ(mgr.data(id), p);
+        EXPECT_EQ(mgr.chunk(id).alloc_bytes() % kChunkAlignment, 0u);
+      }
+    }
+  }
+}
+
+TEST(ChunkManager, MaterialisesZeroFilledAndAccountsExactly) {
+  ChunkManager mgr(options(4 * kPage, 4 * kPage));
+  const auto ids = add_chunks(mgr, 3);
+  mgr.access(ids[0], Tier::kDevice);
+  mgr.access(ids[1], Tier::kHost);
+  EXPECT_EQ(contents(mgr, ids[0]), std::vector<float>(kElems, 0.0f));
+  EXPECT_EQ(mgr.tier_stats(Tier::kDevice).used, kPage);
+  EXPECT_EQ(mgr.tier_stats(Tier::kHost).used, kPage);
+  mgr.access(ids[1], Tier::kDevice);
+  EXPECT_EQ(mgr.tier_stats(Tier::kDevice).used, 2 * kPage);
+  EXPECT_EQ(mgr.tier_stats(Tier::kHost).used, 0u);
+  EXPECT_EQ(mgr.tier_stats(Tier::kHost).peak, kPage);
+  EXPECT_EQ(mgr.move_stats().bytes[int(Tier::kHost)][int(Tier::kDevice)], kPage);
+  mgr.release(ids[0]);
+  EXPECT_EQ(mgr.tier_stats(Tier::kDevice).used, kPage);
+  EXPECT_EQ(mgr.tier_stats(Tier::kDevice).chunks, 1);
+  EXPECT_EQ(mgr.tier_stats(Tier::kDevice).peak, 2 * kPage);
+  EXPECT_FALSE(mgr.chunk(ids[0]).location().has_value());
+  EXPECT_THROW(mgr.data(ids[0]), Error);
+}
+
+TEST(ChunkManager, EvictsLeastRecentlyUsedToHost) {
+  ChunkManager mgr(options(2 * kPage, 8 * kPage));
+  const auto ids = add_chunks(mgr, 4);
+  fill(mgr, ids[0], Tier::kDevice);
+  fill(mgr, ids[1], Tier::kDevice);
+  fill(mgr, ids[2], Tier::kDevice);  // evicts 0
+  EXPECT_EQ(mgr.chunk(ids[0]).location(), Tier::kHost);
+  mgr.access(ids[1], Tier::kDevice);  // 1 is now newer than 2
+  fill(mgr, ids[3], Tier::kDevice);   // evicts 2
+  EXPECT_EQ(mgr.chunk(ids[2]).location(), Tier::kHost);
+  EXPECT_EQ(mgr.chunk(ids[1]).location(), Tier::kDevice);
+  EXPECT_EQ(mgr.tier_stats(Tier::kDevice).evictions, 2u);
+  EXPECT_LE(mgr.tier_stats(Tier::kDevice).peak, 2 * kPage);
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(contents(mgr, ids[i]), pattern(ids[i])) << i;
+}
+
+TEST(ChunkManager, CascadesDeviceToHostToNvmeAndBack) {
+  auto store = std::make_shared<TestSwapStore>();
+  ChunkManager mgr(options(kPage, 2 * kPage, 4 * kPage, store));
+  const auto ids = add_chunks(mgr, 4);
+  fill(mgr, ids[0], Tier::kDevice);
+  fill(mgr, ids[1], Tier::kDevice);  // 0 -> host
+  fill(mgr, ids[2], Tier::kDevice);  // 1 -> host
+  fill(mgr, ids[3], Tier::kDevice);  // 2 -> host, which pushes 0 (LRU) -> nvme
+  EXPECT_EQ(mgr.chunk(ids[0]).location(), Tier::kNvme);
+  EXPECT_EQ(mgr.chunk(ids[1]).location(), Tier::kHost);
+  EXPECT_EQ(mgr.chunk(ids[2]).location(), Tier::kHost);
+  EXPECT_EQ(mgr.chunk(ids[3]).location(), Tier::kDevice);
+  EXPECT_TRUE(store->holds(ids[0]));
+  EXPECT_EQ(contents(mgr, ids[0]), pattern(ids[0]));
+  // nvme -> device is staged through host: 0 displaces 1 on host, then 3
+  // leaves the device for host, displacing 2 (0 is busy, never a candidate).
+  mgr.access(ids[0], Tier::kDevice);
+  EXPECT_EQ(mgr.chunk(ids[0]).location(), Tier::kDevice);
+  EXPECT_EQ(mgr.chunk(ids[1]).location(), Tier::kNvme);
+  EXPECT_EQ(mgr.chunk(ids[2]).location(), Tier::kNvme);
+  EXPECT_EQ(mgr.chunk(ids[3]).location(), Tier::kHost);
+  EXPECT_FALSE(store->holds(ids[0]));
+  const MoveStats m = mgr.move_stats();
+  EXPECT_EQ(m.count[int(Tier::kNvme)][int(Tier::kHost)], 1u);
+  EXPECT_EQ(m.count[int(Tier::kHost)][int(Tier::kNvme)], 3u);
+  EXPECT_EQ(m.count[int(Tier::kDevice)][int(Tier::kHost)], 4u);
+  EXPECT_EQ(m.bytes[int(Tier::kHost)][int(Tier::kDevice)], kPage);
+  EXPECT_EQ(mgr.tier_stats(Tier::kNvme).used, 2 * kPage);
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(contents(mgr, ids[i]), pattern(ids[i])) << i;
+  for (Tier t : {Tier::kDevice, Tier::kHost, Tier::kNvme}) {
+    EXPECT_LE(mgr.tier_stats(t).peak, mgr.tier_stats(t).budget) << tier_name(t);
+  }
+}
+
+TEST(ChunkManager, StagingNeedsRoomOnHost) {
+  // nvme -> device with a one-chunk host tier: the staged chunk fills host, so
+  // the device chunk it displaces has nowhere to go. The request fails cleanly.
+  auto store = std::make_shared<TestSwapStore>();
+  ChunkManager mgr(options(kPage, kPage, 4 * kPage, store));
+  const auto ids = add_chunks(mgr, 3);
+  fill(mgr, ids[0], Tier::kDevice);
+  fill(mgr, ids[1], Tier::kDevice);
+  fill(mgr, ids[2], Tier::kDevice);  // 0 -> nvme, 1 on host, 2 on device
+  ASSERT_EQ(mgr.chunk(ids[0]).location(), Tier::kNvme);
+  EXPECT_THROW(mgr.access(ids[0], Tier::kDevice), Error);
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(contents(mgr, ids[i]), pattern(ids[i])) << i;
+  EXPECT_LE(mgr.tier_stats(Tier::kHost).peak, kPage);
+}
+
+TEST(ChunkManager, ComputeChunksAreNeverMovedEvictedOrReleased) {
+  ChunkManager mgr(options(2 * kPage, 8 * kPage));
+  const auto ids = add_chunks(mgr, 3);
+  fill(mgr, ids[0], Tier::kDevice);
+  fill(mgr, ids[1], Tier::kDevice);
+  mgr.transition(ids[0], 0, TensorState::kHold);
+  mgr.transition(ids[0], 0, TensorState::kCompute);
+  EXPECT_THROW(mgr.move(ids[0], Tier::kHost), Error);
+  EXPECT_THROW(mgr.release(ids[0]), Error);
+  // 0 is the least recently used, but pinned: 1 must go instead.
+  fill(mgr, ids[2], Tier::kDevice);
+  EXPECT_EQ(mgr.chunk(ids[0]).location(), Tier::kDevice);
+  EXPECT_EQ(mgr.chunk(ids[1]).location(), Tier::kHost);
+  mgr.transition(ids[2], 0, TensorState::kHold);
+  mgr.transition(ids[2], 0, TensorState::kCompute);
+  // Both device chunks pinned: the request fails and says why.
+  try {
+    mgr.access(ids[1], Tier::kDevice);
+    FAIL() << "device over-committed";
+  } catch (const Error& e) {
+    const std::string msg = e.message();
+    for (const char* part : {"device tier cannot fit 4.00 KiB", "budget 8.00 KiB", "2 chunks", "COMPUTE",
+                             "Raise the device budget"}) {
+      EXPECT_NE(msg.find(part), std::string::npos) << "missing '" << part << "' in: " << msg;
+    }
+  }
+  EXPECT_EQ(mgr.chunk(ids[1]).location(), Tier::kHost) << "a refused access leaves the chunk where it was";
+  EXPECT_EQ(contents(mgr, ids[1]), pattern(ids[1]));
+  mgr.transition(ids[0], 0, TensorState::kHold);
+  EXPECT_NO_THROW(mgr.access(ids[1], Tier::kDevice));
+  EXPECT_EQ(mgr.chunk(ids[0]).location(), Tier::kHost);
+}
+
+TEST(ChunkManager, ChunkLargerThanTheBudgetIsAClearError) {
+  ChunkManager mgr(options(kPage, 8 * kPage));
+  const Registration reg = mgr.register_tensors({{"huge", 4 * kElems}}, FamilySpec{}, kElems);
+  try {
+    mgr.access(mgr.family(reg.families[0]).param, Tier::kDevice);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(e.message().find("device budget 4.00 KiB is smaller than chunk 0"), std::string::npos) << e.message();
+    EXPECT_NE(e.message().find("lower the chunk size"), std::string::npos) << e.message();
+  }
+  EXPECT_EQ(mgr.tier_stats(Tier::kDevice).used, 0u);
+}
+
+TEST(ChunkManager, NvmeNeedsAStore) {
+  EXPECT_THROW(ChunkManager(options(kPage, kPage, 4 * kPage, nullptr)), Error);
+  ChunkManager mgr(options(kPage, kPage));
+  const auto ids = add_chunks(mgr, 3);
+  fill(mgr, ids[0], Tier::kDevice);
+  fill(mgr, ids[1], Tier::kDevice);
+  try {
+    fill(mgr, ids[2], Tier::kDevice);  // would push a host chunk to nvme
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(e.message().find("no NVMe store is configured"), std::string::npos) << e.message();
+  }
+  EXPECT_EQ(contents(mgr, ids[0]), pattern(ids[0]));
+  EXPECT_EQ(contents(mgr, ids[1]), pattern(ids[1]));
+}
+
+TEST(ChunkManager, FailedNvmeWriteKeepsTheHostCopy) {
+  auto store = std::make_shared<TestSwapStore>();
+  ChunkManager mgr(options(kPage, kPage, 4 * kPage, store));
+  const auto ids = add_chunks(mgr, 3);
+  fill(mgr, ids[0], Tier::kDevice);
+  fill(mgr, ids[1], Tier::kDevice);  // 0 on host, 1 on device
+  store->fail_write_at(1);
+  EXPECT_THROW(fill(mgr, ids[2], Tier::kDevice), Error);  // disk "full" during eviction
+  EXPECT_EQ(mgr.chunk(ids[0]).location(), Tier::kHost);
+  EXPECT_EQ(contents(mgr, ids[0]), pattern(ids[0]));
+  EXPECT_EQ(contents(mgr, ids[1]), pattern(ids[1]));
+  EXPECT_EQ(mgr.tier_stats(Tier::kNvme).used, 0u);
+  EXPECT_EQ(store->stored_chunks(), 0u);
+  // The next attempt succeeds.
+  fill(mgr, ids[2], Tier::kDevice);
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(contents(mgr, ids[i]), pattern(ids[i])) << i;
+}
+
+TEST(ChunkManager, FailedNvmeReadKeepsTheNvmeCopy) {
+  auto store = std::make_shared<TestSwapStore>();
+  ChunkManager mgr(options(kPage, 2 * kPage, 4 * kPage, store));
+  const auto ids = add_chunks(mgr, 2);
+  fill(mgr, ids[0], Tier::kHost);
+  mgr.move(ids[0], Tier::kNvme);
+  store->fail_read_at(1);
+  EXPECT_THROW(mgr.access(ids[0], Tier::kHost), Error);
+  EXPECT_EQ(mgr.chunk(ids[0]).location(), Tier::kNvme);
+  EXPECT_EQ(mgr.tier_stats(Tier::kHost).used, 0u) << "the failed destination is returned";
+  mgr.access(ids[0], Tier::kHost);
+  EXPECT_EQ(contents(mgr, ids[0]), pattern(ids[0]));
+}
+
+TEST(ChunkManager, ReadAndWriteCheckSizes) {
+  ChunkManager mgr(options(kPage, kPage));
+  const auto ids = add_chunks(mgr, 1);
+  std::vector<float> v(kElems);
+  EXPECT_THROW(mgr.read(ids[0], v.data(), v.size() * 4), Error) << "no payload yet";
+  mgr.access(ids[0], Tier::kHost);
+  EXPECT_THROW(mgr.read(ids[0], v.data(), 100), Error);
+  EXPECT_THROW(mgr.write(ids[0], v.data(), 100), Error);
+  EXPECT_THROW(mgr.access(ids[0], Tier::kNvme), Error);
+  EXPECT_THROW(mgr.chunk(99), Error);
+}
+
+}  // namespace
+}  // namespace strata::memory

@@ -1,0 +1,102 @@
+#include "strata/offload/host_arena.h"
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "strata/core/error.h"
+#include "strata/offload/cuda_runtime.h"
+#include "strata/offload/topology.h"
+
+namespace strata::offload {
+namespace {
+
+bool aligned(const void* p, size_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
+
+TEST(HostArena, AllocationsAreAlignedWritableAndCounted) {
+  HostArena arena;
+  std::vector<std::pair<void*, size_t>> blocks;
+  std::mt19937 rng(7);
+  for (size_t size : {size_t{1}, size_t{4095}, size_t{4096}, size_t{4097}, size_t{1} << 20, (size_t{3} << 20) + 5}) {
+    void* p = arena.allocate(size);
+    ASSERT_TRUE(aligned(p, 4096)) << size;
+    std::memset(p, 0xA5, size);
+    blocks.emplace_back(p, size);
+  }
+  const HostArenaStats s = arena.stats();
+  size_t requested = 0;
+  for (auto& b : blocks) requested += b.second;
+  EXPECT_GE(s.allocated_bytes, requested);
+  EXPECT_GE(s.mapped_bytes, s.allocated_bytes);
+  for (auto& b : blocks) {
+    const auto* bytes = static_cast<const unsigned char*>(b.first);
+    EXPECT_EQ(bytes[0], 0xA5);
+    EXPECT_EQ(bytes[b.second - 1], 0xA5);
+    arena.deallocate(b.first);
+  }
+  EXPECT_EQ(arena.stats().allocated_bytes, 0u);
+}
+
+TEST(HostArena, LargerAlignmentIsHonoured) {
+  HostArenaOptions opts;
+  opts.alignment = 1 << 16;
+  HostArena arena(opts);
+  for (int i = 0; i < 16; ++i) {
+    void* p = arena.allocate(5000 + i * 777);
+    EXPECT_TRUE(aligned(p, 1 << 16));
+    arena.deallocate(p);
+  }
+}
+
+TEST(HostArena, RejectsBadAlignment) {
+  HostArenaOptions opts;
+  opts.alignment = 1000;
+  EXPECT_THROW(HostArena{opts}, Error);
+  opts.alignment = 2048;
+  EXPECT_THROW(HostArena{opts}, Error);
+}
+
+TEST(HostArena, FreedMemoryIsReusedNotRemapped) {
+  HostArena arena;
+  void* p = arena.allocate(8 << 20);
+  arena.deallocate(p);
+  const uint64_t mapped = arena.stats().mapped_bytes;
+  for (int i = 0; i < 50; ++i) arena.deallocate(arena.allocate(8 << 20));
+  EXPECT_EQ(arena.stats().mapped_bytes, mapped) << "chunk churn must not take new mappings from the OS";
+}
+
+TEST(HostArena, ArenasAreSeparate) {
+  HostArena a, b;
+  EXPECT_NE(a.arena_index(), b.arena_index());
+  void* pa = a.allocate(1 << 20);
+  void* pb = b.allocate(1 << 20);
+  EXPECT_EQ(a.stats().allocated_bytes, b.stats().allocated_bytes);
+  a.deallocate(pa);
+  EXPECT_EQ(a.stats().allocated_bytes, 0u);
+  EXPECT_GT(b.stats().allocated_bytes, 0u);
+  b.deallocate(pb);
+}
+
+TEST(HostArena, PinsOnlyWithADeviceAndBindsOnlyOnNuma) {
+  HostArena arena;
+  void* p = arena.allocate(1 << 20);
+  const HostArenaStats s = arena.stats();
+  EXPECT_EQ(s.pinned, !cuda::probe().devices.empty());
+  EXPECT_EQ(s.numa_bound, machine_topology().numa_nodes.size() > 1);
+  arena.deallocate(p);
+
+  HostArenaOptions unpinned;
+  unpinned.pin = false;
+  HostArena plain(unpinned);
+  void* q = plain.allocate(1 << 20);
+  EXPECT_FALSE(plain.stats().pinned);
+  plain.deallocate(q);
+}
+
+TEST(HostArena, ReportsJemallocVersion) { EXPECT_EQ(jemalloc_version().rfind("5.", 0), 0u) << jemalloc_version(); }
+
+}  // namespace
+}  // namespace strata::offload
