@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# strata's one entry point for a new machine (Debian 12, root).
+#
+#   scripts/setup.sh demo   install what is missing, build, run the main example
+#   scripts/setup.sh test   install what is missing, build, run the whole test suite,
+#                           then the non-LibTorch unit tests under ASan + UBSan
+#
+# Idempotent: packages already present are not reinstalled, and builds are
+# incremental (ccache across clones). Every step says what it does.
+set -euo pipefail
+
+mode="${1:-}"
+case "$mode" in
+  demo|test) ;;
+  *) echo "usage: $0 demo|test" >&2; exit 2 ;;
+esac
+
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+jobs="$(nproc)"
+step() { printf '\n==> %s\n' "$*"; }
+
+packages=(
+  g++ cmake ninja-build ccache pkg-config
+  libtorch-dev libgloo-dev libhwloc-dev liburing-dev libjemalloc-dev
+  nlohmann-json3-dev libcli11-dev libfmt-dev libxxhash-dev
+  googletest libgtest-dev libgmock-dev libbenchmark-dev
+)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  step "installing ${#missing[@]} Debian package(s): ${missing[*]}"
+  sudo_cmd=()
+  [ "$(id -u)" -eq 0 ] || sudo_cmd=(sudo)
+  "${sudo_cmd[@]}" apt-get update -q
+  DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -q --no-install-recommends "${missing[@]}"
+else
+  step "all ${#packages[@]} Debian packages already installed"
+fi
+
+# ccache: share hits between clones in different folders.
+export CCACHE_BASEDIR="$root" CCACHE_NOHASHDIR=1 CCACHE_MAXSIZE="${CCACHE_MAXSIZE:-5G}"
+
+configure_and_build() {  # <build dir> <cmake args...>
+  local dir="$1"; shift
+  step "configuring $dir ($*)"
+  cmake -S "$root" -B "$root/$dir" -G Ninja "$@" > "$root/$dir.configure.log" 2>&1 || {
+    cat "$root/$dir.configure.log"; exit 1; }
+  grep -E "^-- strata:" "$root/$dir.configure.log" || true
+  step "building $dir with $jobs jobs"
+  local start=$SECONDS
+  cmake --build "$root/$dir" -j "$jobs"
+  echo "built $dir in $((SECONDS - start)) s"
+}
+
+configure_and_build build -DCMAKE_BUILD_TYPE=RelWithDebInfo
+
+if [ "$mode" = demo ]; then
+  step "strata info"
+  "$root/build/tools/strata" info
+  step "running the main example: examples/offload_demo"
+  "$root/build/examples/offload_demo"
+  exit 0
+fi
+
+step "running the test suite (ctest, all labels; gpu tests skip without a GPU)"
+start=$SECONDS
+(cd "$root/build" && ctest -j "$jobs" --output-on-failure)
+echo "test suite took $((SECONDS - start)) s"
+
+configure_and_build build-asan -DSTRATA_SANITIZE=ON -DSTRATA_WITH_TORCH=OFF -DSTRATA_BUILD_EXAMPLES=OFF
+step "running the unit tests under AddressSanitizer + UndefinedBehaviorSanitizer"
+start=$SECONDS
+(cd "$root/build-asan" && ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1 \
+  ctest -j "$jobs" -L unit --output-on-failure)
+echo "sanitizer run took $((SECONDS - start)) s"
