@@ -35,6 +35,13 @@ AlignedBuffer aligned_buffer(size_t alignment, size_t bytes) {
   return AlignedBuffer(p);
 }
 
+std::vector<int64_t> numels_of(const std::vector<TensorSpec>& tensors) {
+  std::vector<int64_t> numels;
+  numels.reserve(tensors.size());
+  for (const TensorSpec& t : tensors) numels.push_back(t.numel);
+  return numels;
+}
+
 }  // namespace
 
 ChunkManager::ChunkManager(ChunkManagerOptions options)
@@ -63,10 +70,7 @@ ChunkManager::~ChunkManager() {
 
 Registration ChunkManager::register_tensors(const std::vector<TensorSpec>& tensors, const FamilySpec& spec,
                                             int64_t chunk_elems) {
-  std::vector<int64_t> numels;
-  numels.reserve(tensors.size());
-  for (const TensorSpec& t : tensors) numels.push_back(t.numel);
-  std::vector<ChunkLayout> layouts = pack_tensors(numels, chunk_elems, world_size_);
+  std::vector<ChunkLayout> layouts = pack_tensors(numels_of(tensors), chunk_elems, world_size_);
   const ChunkSizePlan plan = summarize_packing(layouts, chunk_elems);
   std::lock_guard<std::mutex> lock(mu_);
   return register_layouts(tensors, spec, std::move(layouts), plan);
@@ -74,9 +78,7 @@ Registration ChunkManager::register_tensors(const std::vector<TensorSpec>& tenso
 
 Registration ChunkManager::register_tensors(const std::vector<TensorSpec>& tensors, const FamilySpec& spec,
                                             const ChunkSizeSearch& search) {
-  std::vector<int64_t> numels;
-  numels.reserve(tensors.size());
-  for (const TensorSpec& t : tensors) numels.push_back(t.numel);
+  const std::vector<int64_t> numels = numels_of(tensors);
   ChunkSizeSearch s = search;
   s.world_size = world_size_;
   const ChunkSizePlan plan = search_chunk_size(numels, s);
