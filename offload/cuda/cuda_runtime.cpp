@@ -6,17 +6,9 @@
 #include <nccl.h>
 #endif
 
+#include "strata/core/cuda_check.h"
 #include "strata/core/error.h"
 #include "strata/core/log.h"
-
-#define STRATA_CUDA_CHECK(expr, ...)                                                        \
-  do {                                                                                      \
-    cudaError_t strata_err_ = (expr);                                                       \
-    if (strata_err_ != cudaSuccess) {                                                       \
-      STRATA_FAIL(__VA_ARGS__, ": ", #expr, " failed: ", cudaGetErrorName(strata_err_), " (", \
-                  cudaGetErrorString(strata_err_), ")");                                    \
-    }                                                                                       \
-  } while (0)
 
 namespace strata::offload::cuda {
 

@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <string>
 
+#include "strata/core/dtype.h"
+
 namespace strata::memory {
 
 enum class Tier : uint8_t {
@@ -22,15 +24,10 @@ constexpr Tier next_lower_tier(Tier tier) {
   return tier == Tier::kDevice ? Tier::kHost : Tier::kNvme;
 }
 
-enum class DType : uint8_t {
-  kFloat32 = 0,
-  kBFloat16 = 1,
-  kFloat16 = 2,
-};
-
-size_t dtype_size(DType dtype);
-const char* dtype_name(DType dtype);
-DType parse_dtype(const std::string& name);
+using ::strata::DType;
+using ::strata::dtype_name;
+using ::strata::dtype_size;
+using ::strata::parse_dtype;
 
 /// Byte budgets of the three tiers. Each is a hard limit on the bytes the
 /// chunk manager keeps on that tier (payload rounded up to the allocation
