@@ -115,7 +115,7 @@ void cast(const void* src, DType src_dtype, void* dst, DType dst_dtype, int64_t 
 }
 
 void rmw_probe(const OptimSpans& spans, Isa isa) {
-  check_spans(spans, true, true, "rmw_probe");
+  check_spans(spans, true, false, "rmw_probe");
   const cpu::ProbeFn fn = table(isa).probe[idx(spans.grad_dtype)][idx(spans.param_dtype)];
   kernel_thread_pool().parallel_for(spans.n, kGrain, kMinPerThread, [&](int64_t b, int64_t e) { fn(spans, b, e); });
 }

@@ -6,5 +6,6 @@
 namespace strata::tools {
 
 void add_info_command(CLI::App& app);
+void add_bench_command(CLI::App& app);
 
 }  // namespace strata::tools

@@ -99,9 +99,14 @@ struct VecScalar {
   friend VecScalar operator/(VecScalar a, VecScalar b) { return {a.v / b.v}; }
   static VecScalar fmadd(VecScalar a, VecScalar b, VecScalar c) { return {a.v * b.v + c.v}; }
   static VecScalar sqrt(VecScalar a) { return {std::sqrt(a.v)}; }
+  static VecScalar max(VecScalar a, VecScalar b) { return {a.v > b.v ? a.v : b.v}; }
+  /// 1/sqrt(a) for normal positive a; the SIMD versions refine a hardware estimate.
+  static VecScalar rsqrt(VecScalar a) { return {1.0f / std::sqrt(a.v)}; }
+  static VecScalar rcp(VecScalar a) { return {1.0f / a.v}; }
   /// -1, 0 or +1 (0 for zero and NaN).
   static VecScalar sign(VecScalar a) { return {a.v > 0.0f ? 1.0f : (a.v < 0.0f ? -1.0f : 0.0f)}; }
   static float reduce_add(VecScalar a) { return a.v; }
+  static void prefetch(const void*) {}
 };
 
 // ----------------------------------------------------------------------------
@@ -140,12 +145,25 @@ struct VecAvx2 {
   friend VecAvx2 operator/(VecAvx2 a, VecAvx2 b) { return {_mm256_div_ps(a.v, b.v)}; }
   static VecAvx2 fmadd(VecAvx2 a, VecAvx2 b, VecAvx2 c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
   static VecAvx2 sqrt(VecAvx2 a) { return {_mm256_sqrt_ps(a.v)}; }
+  static VecAvx2 max(VecAvx2 a, VecAvx2 b) { return {_mm256_max_ps(a.v, b.v)}; }
+  // 12-bit estimates plus one Newton-Raphson step (about 22 bits): vdivps and
+  // vsqrtps would make the Adam step compute-bound.
+  static VecAvx2 rsqrt(VecAvx2 a) {
+    const __m256 y = _mm256_rsqrt_ps(a.v);
+    const __m256 ayy = _mm256_mul_ps(_mm256_mul_ps(a.v, y), y);
+    return {_mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), y), _mm256_sub_ps(_mm256_set1_ps(3.0f), ayy))};
+  }
+  static VecAvx2 rcp(VecAvx2 a) {
+    const __m256 y = _mm256_rcp_ps(a.v);
+    return {_mm256_mul_ps(y, _mm256_fnmadd_ps(a.v, y, _mm256_set1_ps(2.0f)))};
+  }
   static VecAvx2 sign(VecAvx2 a) {
     const __m256 z = _mm256_setzero_ps();
     const __m256 pos = _mm256_and_ps(_mm256_cmp_ps(a.v, z, _CMP_GT_OQ), _mm256_set1_ps(1.0f));
     const __m256 neg = _mm256_and_ps(_mm256_cmp_ps(a.v, z, _CMP_LT_OQ), _mm256_set1_ps(1.0f));
     return {_mm256_sub_ps(pos, neg)};
   }
+  static void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
   static float reduce_add(VecAvx2 a) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -196,12 +214,24 @@ struct VecAvx512 {
   friend VecAvx512 operator/(VecAvx512 a, VecAvx512 b) { return {_mm512_div_ps(a.v, b.v)}; }
   static VecAvx512 fmadd(VecAvx512 a, VecAvx512 b, VecAvx512 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
   static VecAvx512 sqrt(VecAvx512 a) { return {_mm512_sqrt_ps(a.v)}; }
+  static VecAvx512 max(VecAvx512 a, VecAvx512 b) { return {_mm512_max_ps(a.v, b.v)}; }
+  // 14-bit estimates plus one Newton-Raphson step (about 27 bits), see VecAvx2.
+  static VecAvx512 rsqrt(VecAvx512 a) {
+    const __m512 y = _mm512_rsqrt14_ps(a.v);
+    const __m512 ayy = _mm512_mul_ps(_mm512_mul_ps(a.v, y), y);
+    return {_mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), y), _mm512_sub_ps(_mm512_set1_ps(3.0f), ayy))};
+  }
+  static VecAvx512 rcp(VecAvx512 a) {
+    const __m512 y = _mm512_rcp14_ps(a.v);
+    return {_mm512_mul_ps(y, _mm512_fnmadd_ps(a.v, y, _mm512_set1_ps(2.0f)))};
+  }
   static VecAvx512 sign(VecAvx512 a) {
     const __m512 z = _mm512_setzero_ps();
     __m512 r = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a.v, z, _CMP_GT_OQ), z, _mm512_set1_ps(1.0f));
     return {_mm512_mask_blend_ps(_mm512_cmp_ps_mask(a.v, z, _CMP_LT_OQ), r, _mm512_set1_ps(-1.0f))};
   }
   static float reduce_add(VecAvx512 a) { return _mm512_reduce_add_ps(a.v); }
+  static void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
 };
 #endif
 

@@ -301,6 +301,15 @@ TEST_P(IsaKernel, ThreadCountDoesNotChangeResults) {
   EXPECT_EQ(a.copy, b.copy);
 }
 
+TEST_P(IsaKernel, LargeFiniteGradientsAreNotOverflow) {
+  const Isa isa = GetParam();
+  if (!isa_supported(isa)) GTEST_SKIP();
+  std::vector<float> g(1000, 3.0e38f);  // each finite; sums of neighbours are not
+  EXPECT_TRUE(grad_stats(g.data(), DType::kFloat32, 1000, isa).finite);
+  g[999] = -INFINITY;
+  EXPECT_FALSE(grad_stats(g.data(), DType::kFloat32, 1000, isa).finite);
+}
+
 INSTANTIATE_TEST_SUITE_P(AllIsas, IsaKernel, ::testing::Values(Isa::kScalar, Isa::kAvx2, Isa::kAvx512),
                          [](const auto& info) { return std::string(isa_name(info.param)); });
 

@@ -107,8 +107,9 @@ StepStatus sgd_step(const SgdParams& params, const OptimSpans& spans, Isa isa = 
 void cast(const void* src, DType src_dtype, void* dst, DType dst_dtype, int64_t n, Isa isa = selected_isa());
 
 /// The bandwidth probe of `strata bench optim`: the same arrays and bytes per
-/// element as an Adam step (read grad, master, m, v; write master, m, v and the
-/// copy), with one add per array instead of the update.
+/// element as a step (read grad, master, state0 and state1 when not null;
+/// write them back and the parameter copy), with one add per array instead of
+/// the update.
 void rmw_probe(const OptimSpans& spans, Isa isa = selected_isa());
 
 /// Whether the CPU can run `isa`.
