@@ -24,7 +24,7 @@ packages=(
   g++ cmake ninja-build ccache pkg-config
   libtorch-dev libgloo-dev libhwloc-dev liburing-dev libjemalloc-dev
   nlohmann-json3-dev libcli11-dev libfmt-dev libxxhash-dev
-  googletest libgtest-dev libgmock-dev libbenchmark-dev
+  googletest libgtest-dev libgmock-dev libbenchmark-dev fio
 )
 missing=()
 for p in "${packages[@]}"; do

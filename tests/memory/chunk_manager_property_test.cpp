@@ -10,7 +10,7 @@
 #include <random>
 #include <vector>
 
-#include "memory/test_swap_store.h"
+#include "memory/nvme_fixture.h"
 #include "strata/core/error.h"
 #include "strata/memory/chunk_manager.h"
 #include "strata/offload/device_memory.h"
@@ -39,12 +39,12 @@ class PropertyTest : public ::testing::TestWithParam<uint32_t> {};
 TEST_P(PropertyTest, RandomSequencesKeepBudgetsAndContents) {
   const uint32_t seed = GetParam();
   std::mt19937 rng(seed);
-  auto store = std::make_shared<testing::TestSwapStore>();
   constexpr uint64_t kPage = 4096;
+  testing::TestNvme nvme(40 * kPage, "prop");
   ChunkManagerOptions opts;
   opts.budgets = {5 * kPage, 7 * kPage, 40 * kPage};
   opts.device = offload::make_emulated_device_memory();
-  opts.nvme = store;
+  opts.nvme = nvme.store;
   opts.world_size = 1 + seed % 3;
   ChunkManager mgr(std::move(opts));
 

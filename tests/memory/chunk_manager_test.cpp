@@ -6,14 +6,14 @@
 #include <numeric>
 #include <vector>
 
-#include "memory/test_swap_store.h"
+#include "memory/nvme_fixture.h"
 #include "strata/core/error.h"
 #include "strata/offload/device_memory.h"
 
 namespace strata::memory {
 namespace {
 
-using testing::TestSwapStore;
+using testing::TestNvme;
 
 constexpr int64_t kElems = 1024;  // fp32: exactly one 4 KiB page per chunk
 constexpr uint64_t kPage = 4096;
@@ -104,8 +104,8 @@ TEST(ChunkManager, AutoChunkSizeUsesTheSearch) {
 }
 
 TEST(ChunkManager, EveryBufferIsAligned) {
-  auto store = std::make_shared<TestSwapStore>();
-  ChunkManager mgr(options(8 * kPage, 8 * kPage, 64 * kPage, store));
+    TestNvme nvme(64 * kPage);
+  ChunkManager mgr(options(8 * kPage, 8 * kPage, 64 * kPage, nvme.store));
   FamilySpec spec;
   spec.param_dtype = DType::kFloat16;
   spec.optim_states = 2;
@@ -161,8 +161,8 @@ TEST(ChunkManager, EvictsLeastRecentlyUsedToHost) {
 }
 
 TEST(ChunkManager, CascadesDeviceToHostToNvmeAndBack) {
-  auto store = std::make_shared<TestSwapStore>();
-  ChunkManager mgr(options(kPage, 2 * kPage, 4 * kPage, store));
+    TestNvme nvme(4 * kPage);
+  ChunkManager mgr(options(kPage, 2 * kPage, 4 * kPage, nvme.store));
   const auto ids = add_chunks(mgr, 4);
   fill(mgr, ids[0], Tier::kDevice);
   fill(mgr, ids[1], Tier::kDevice);  // 0 -> host
@@ -172,7 +172,7 @@ TEST(ChunkManager, CascadesDeviceToHostToNvmeAndBack) {
   EXPECT_EQ(mgr.chunk(ids[1]).location(), Tier::kHost);
   EXPECT_EQ(mgr.chunk(ids[2]).location(), Tier::kHost);
   EXPECT_EQ(mgr.chunk(ids[3]).location(), Tier::kDevice);
-  EXPECT_TRUE(store->holds(ids[0]));
+  EXPECT_TRUE(nvme.holds(ids[0]));
   EXPECT_EQ(contents(mgr, ids[0]), pattern(ids[0]));
   // nvme -> device is staged through host: 0 displaces 1 on host, then 3
   // leaves the device for host, displacing 2 (0 is busy, never a candidate).
@@ -181,7 +181,7 @@ TEST(ChunkManager, CascadesDeviceToHostToNvmeAndBack) {
   EXPECT_EQ(mgr.chunk(ids[1]).location(), Tier::kNvme);
   EXPECT_EQ(mgr.chunk(ids[2]).location(), Tier::kNvme);
   EXPECT_EQ(mgr.chunk(ids[3]).location(), Tier::kHost);
-  EXPECT_FALSE(store->holds(ids[0]));
+  EXPECT_FALSE(nvme.holds(ids[0]));
   const MoveStats m = mgr.move_stats();
   EXPECT_EQ(m.count[int(Tier::kNvme)][int(Tier::kHost)], 1u);
   EXPECT_EQ(m.count[int(Tier::kHost)][int(Tier::kNvme)], 3u);
@@ -197,8 +197,8 @@ TEST(ChunkManager, CascadesDeviceToHostToNvmeAndBack) {
 TEST(ChunkManager, StagingNeedsRoomOnHost) {
   // nvme -> device with a one-chunk host tier: the staged chunk fills host, so
   // the device chunk it displaces has nowhere to go. The request fails cleanly.
-  auto store = std::make_shared<TestSwapStore>();
-  ChunkManager mgr(options(kPage, kPage, 4 * kPage, store));
+    TestNvme nvme(4 * kPage);
+  ChunkManager mgr(options(kPage, kPage, 4 * kPage, nvme.store));
   const auto ids = add_chunks(mgr, 3);
   fill(mgr, ids[0], Tier::kDevice);
   fill(mgr, ids[1], Tier::kDevice);
@@ -256,7 +256,7 @@ TEST(ChunkManager, ChunkLargerThanTheBudgetIsAClearError) {
 }
 
 TEST(ChunkManager, NvmeNeedsAStore) {
-  EXPECT_THROW(ChunkManager(options(kPage, kPage, 4 * kPage, nullptr)), Error);
+  EXPECT_THROW(ChunkManager(options(kPage, kPage, 4 * kPage, nullptr)), Error) << "nvme budget without a store";
   ChunkManager mgr(options(kPage, kPage));
   const auto ids = add_chunks(mgr, 3);
   fill(mgr, ids[0], Tier::kDevice);
@@ -272,30 +272,30 @@ TEST(ChunkManager, NvmeNeedsAStore) {
 }
 
 TEST(ChunkManager, FailedNvmeWriteKeepsTheHostCopy) {
-  auto store = std::make_shared<TestSwapStore>();
-  ChunkManager mgr(options(kPage, kPage, 4 * kPage, store));
+    TestNvme nvme(4 * kPage);
+  ChunkManager mgr(options(kPage, kPage, 4 * kPage, nvme.store));
   const auto ids = add_chunks(mgr, 3);
   fill(mgr, ids[0], Tier::kDevice);
   fill(mgr, ids[1], Tier::kDevice);  // 0 on host, 1 on device
-  store->fail_write_at(1);
+  nvme.faults->fail_request(1, ENOSPC);
   EXPECT_THROW(fill(mgr, ids[2], Tier::kDevice), Error);  // disk "full" during eviction
   EXPECT_EQ(mgr.chunk(ids[0]).location(), Tier::kHost);
   EXPECT_EQ(contents(mgr, ids[0]), pattern(ids[0]));
   EXPECT_EQ(contents(mgr, ids[1]), pattern(ids[1]));
   EXPECT_EQ(mgr.tier_stats(Tier::kNvme).used, 0u);
-  EXPECT_EQ(store->stored_chunks(), 0u);
+  EXPECT_EQ(nvme.stored_chunks(), 0u);
   // The next attempt succeeds.
   fill(mgr, ids[2], Tier::kDevice);
   for (int i = 0; i < 3; ++i) EXPECT_EQ(contents(mgr, ids[i]), pattern(ids[i])) << i;
 }
 
 TEST(ChunkManager, FailedNvmeReadKeepsTheNvmeCopy) {
-  auto store = std::make_shared<TestSwapStore>();
-  ChunkManager mgr(options(kPage, 2 * kPage, 4 * kPage, store));
+    TestNvme nvme(4 * kPage);
+  ChunkManager mgr(options(kPage, 2 * kPage, 4 * kPage, nvme.store));
   const auto ids = add_chunks(mgr, 2);
   fill(mgr, ids[0], Tier::kHost);
   mgr.move(ids[0], Tier::kNvme);
-  store->fail_read_at(1);
+  nvme.faults->fail_request(1, EIO);
   EXPECT_THROW(mgr.access(ids[0], Tier::kHost), Error);
   EXPECT_EQ(mgr.chunk(ids[0]).location(), Tier::kNvme);
   EXPECT_EQ(mgr.tier_stats(Tier::kHost).used, 0u) << "the failed destination is returned";

@@ -1,0 +1,29 @@
+#pragma once
+// The nvme tier for the ChunkManager: a SwapStore over offload::NvmeStore
+// (io_uring, O_DIRECT, checksummed extents in preallocated files).
+
+#include <memory>
+#include <string>
+
+#include "strata/memory/swap_store.h"
+#include "strata/offload/nvme_store.h"
+
+namespace strata::memory {
+
+class NvmeSwapStore final : public SwapStore {
+ public:
+  explicit NvmeSwapStore(offload::NvmeStoreOptions options) : store_(std::move(options)) {}
+
+  void write(int64_t key, const void* src, size_t bytes) override { store_.write(key, src, bytes); }
+  void read(int64_t key, void* dst, size_t bytes) override { store_.read(key, dst, bytes); }
+  void discard(int64_t key) noexcept override { store_.discard(key); }
+  size_t alignment() const noexcept override { return offload::NvmeStore::kAlignment; }
+  std::string describe() const override { return store_.describe(); }
+
+  offload::NvmeStore& store() { return store_; }
+
+ private:
+  offload::NvmeStore store_;
+};
+
+}  // namespace strata::memory

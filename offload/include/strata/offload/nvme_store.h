@@ -1,0 +1,133 @@
+#pragma once
+// NvmeStore: chunk payloads on local disk, through io_uring and O_DIRECT.
+//
+// Files: the store lives in a user-chosen directory (created 0700), in one or
+// a few files (0600) preallocated with fallocate; an ExtentAllocator inside
+// them hands out one extent per stored chunk and reuses freed ones.
+//
+// I/O: one io_uring of `queue_depth` entries. A transfer is split into blocks
+// of `block_bytes`, each one request, so many requests are in flight and the
+// device queue stays full; submissions are batched. Files are registered with
+// the ring (IOSQE_FIXED_FILE), and buffers registered with register_buffers()
+// are used with READ_FIXED / WRITE_FIXED. A reaper thread owns the completion
+// queue; callers hold an IoTicket and wait() on it or test() it.
+//
+// Note [NVMe store integrity]
+// Every write records an xxh3-64 of the bytes; every read recomputes it and
+// compares. A checksum mismatch, a short transfer or an error completion
+// (EIO, ENOSPC, ...) makes wait() throw strata::Error naming the file, the
+// offset and the chunk: a wrong value is never returned silently. Writes go to
+// a fresh extent and replace the chunk's record only when every block has
+// completed, so a failed write leaves the previous copy readable.
+//
+// Cleanup: files are removed by the destructor. Each file is flock()ed while
+// its store lives, so a new store finds files of crashed runs (lockable
+// strata-store-*.bin), reports them and deletes them.
+//
+// Fault injection: a FaultInjector fails the Nth request with a chosen errno,
+// shortens it, or flips a byte of a read, for tests.
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace strata::offload {
+
+/// Test hooks counting block requests (one per io_uring submission entry),
+/// reads and writes together, from the moment each is armed.
+class FaultInjector {
+ public:
+  /// The nth request from now (1 = the next) completes with -error.
+  void fail_request(int64_t nth, int error);
+  /// The nth request from now completes with half its bytes.
+  void shorten_request(int64_t nth);
+  /// The nth request from now, if a read, has byte `byte` of its data flipped.
+  void corrupt_request(int64_t nth, size_t byte = 0);
+
+  struct Fate {
+    int error = 0;
+    bool shorten = false;
+    bool corrupt = false;
+    size_t byte = 0;
+  };
+  /// Called by the store once per submitted request.
+  Fate next();
+
+ private:
+  std::atomic<int64_t> seen_{0};
+  std::atomic<int64_t> fail_at_{-1}, short_at_{-1}, corrupt_at_{-1};
+  std::atomic<int> error_{0};
+  std::atomic<size_t> byte_{0};
+};
+
+struct NvmeStoreOptions {
+  std::string directory;
+  uint64_t capacity = 0;              // bytes of preallocated space
+  uint64_t max_file_bytes = 1ull << 34;  // capacity is split over files of at most this size
+  unsigned queue_depth = 32;
+  size_t block_bytes = 1 << 20;       // transfers are split into blocks of this size
+  bool direct_io = true;              // O_DIRECT (needs 4 KiB-aligned buffers and sizes)
+  std::shared_ptr<FaultInjector> faults;
+};
+
+struct LeftoverFile {
+  std::string path;
+  uint64_t bytes = 0;
+};
+
+struct NvmeStoreStats {
+  uint64_t capacity = 0;
+  uint64_t used = 0;
+  uint64_t chunks = 0;
+  uint64_t bytes_written = 0;
+  uint64_t bytes_read = 0;
+  uint64_t requests = 0;
+};
+
+struct IoOp;
+/// A transfer in flight. Copyable; keeps the transfer's state alive.
+using IoTicket = std::shared_ptr<IoOp>;
+
+class NvmeStore {
+ public:
+  static constexpr size_t kAlignment = 4096;
+
+  explicit NvmeStore(NvmeStoreOptions options);
+  /// Waits for every transfer in flight, then removes the store's files.
+  ~NvmeStore();
+  NvmeStore(const NvmeStore&) = delete;
+  NvmeStore& operator=(const NvmeStore&) = delete;
+
+  /// Starts storing `bytes` from `src` under `key`. `src` must stay valid and
+  /// unchanged until the ticket completes.
+  IoTicket write_async(int64_t key, const void* src, size_t bytes);
+  /// Starts reading the bytes stored under `key` into `dst` (exactly `bytes`).
+  IoTicket read_async(int64_t key, void* dst, size_t bytes);
+  /// Blocks until the transfer has completed; throws strata::Error if it failed.
+  void wait(const IoTicket& ticket);
+  /// True once complete (throws if it failed); never blocks.
+  bool test(const IoTicket& ticket);
+
+  void write(int64_t key, const void* src, size_t bytes) { wait(write_async(key, src, bytes)); }
+  void read(int64_t key, void* dst, size_t bytes) { wait(read_async(key, dst, bytes)); }
+  /// Frees the key's extent. Must not race with a transfer of the same key.
+  void discard(int64_t key) noexcept;
+  bool contains(int64_t key) const;
+
+  /// Registers host memory for READ_FIXED / WRITE_FIXED (once, before I/O).
+  void register_buffers(const std::vector<std::pair<void*, size_t>>& regions);
+
+  NvmeStoreStats stats() const;
+  const std::vector<LeftoverFile>& reclaimed_leftovers() const;
+  const std::vector<std::string>& files() const;
+  std::string describe() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace strata::offload
