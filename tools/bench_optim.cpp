@@ -197,11 +197,12 @@ void run_optim_bench(const OptimBenchOptions& o) {
 void add_bench_command(CLI::App& app) {
   auto* bench = app.add_subcommand("bench", "Benchmarks, each printed beside a ceiling measured in the same run");
   bench->require_subcommand(1);
+  add_bench_nvme_command(*bench);
   auto* optim = bench->add_subcommand("optim", "CPU optimizer kernels vs a bandwidth probe and torch::optim::AdamW");
   auto o = std::make_shared<OptimBenchOptions>();
   auto size = std::make_shared<std::string>("64M");
   optim->add_option("--params", *size, "parameters per chunk, e.g. 64M or 1048576 (M = 2^20)");
-  optim->add_option("--threads", o->threads, "thread counts to sweep (default: 1 and all cores)");
+  optim->add_option("--threads", o->threads, "thread counts to sweep (default: 1 and all cores)")->delimiter(',');
   optim->add_option("--iters", o->iters, "timed runs per figure (median reported)")->check(CLI::PositiveNumber);
   optim->add_flag("--json", o->json, "print one JSON document");
   optim->add_flag("!--no-torch", o->torch_baseline, "skip the torch::optim::AdamW baseline");
