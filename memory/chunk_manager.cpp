@@ -1,5 +1,6 @@
 #include "strata/memory/chunk_manager.h"
 
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 
@@ -50,7 +51,8 @@ ChunkManager::ChunkManager(ChunkManagerOptions options)
       host_(options.host_arena),
       nvme_(std::move(options.nvme)),
       policy_(options.policy ? std::move(options.policy) : std::make_unique<LruPolicy>()),
-      world_size_(options.world_size) {
+      world_size_(options.world_size),
+      copier_(std::make_unique<offload::CopyEngine>(std::max(options.copy_threads, 1))) {
   STRATA_CHECK(world_size_ >= 1, "world size must be at least 1, got ", world_size_);
   STRATA_CHECK(budgets_.nvme == 0 || nvme_ != nullptr, "an nvme budget of ", format_bytes(budgets_.nvme),
                " was given but no NVMe store is configured; set the nvme budget to 0 or attach a store");
@@ -63,6 +65,7 @@ ChunkManager::ChunkManager(ChunkManagerOptions options)
 }
 
 ChunkManager::~ChunkManager() {
+  copier_.reset();  // finish prefetches first: they use the chunks below
   for (auto& c : chunks_) free_payload(*c);
 }
 
@@ -168,38 +171,74 @@ size_t ChunkManager::num_families() const {
 
 // --- residency -------------------------------------------------------------
 
+void ChunkManager::wait_idle(const Chunk& c, Lock& lock) const {
+  if (!c.busy_) return;
+  const auto start = std::chrono::steady_clock::now();
+  idle_.wait(lock, [&] { return !c.busy_; });
+  moves_.stalls += 1;
+  moves_.stall_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
 void* ChunkManager::access(ChunkId id, Tier tier) {
-  std::lock_guard<std::mutex> lock(mu_);
+  Lock lock(mu_);
   STRATA_CHECK(tier != Tier::kNvme, "chunks are accessed on device or host; use move() to offload to nvme");
   Chunk& c = chunk_locked(id);
-  move_locked(c, tier);
+  wait_idle(c, lock);
+  move_locked(c, tier, lock);
   policy_->on_access(c.id_, tier);
   return c.ptr_;
 }
 
 void ChunkManager::move(ChunkId id, Tier tier) {
-  std::lock_guard<std::mutex> lock(mu_);
-  move_locked(chunk_locked(id), tier);
+  Lock lock(mu_);
+  Chunk& c = chunk_locked(id);
+  wait_idle(c, lock);
+  move_locked(c, tier, lock);
 }
 
-void ChunkManager::move_locked(Chunk& c, Tier to) {
+offload::CopyTicket ChunkManager::prefetch(ChunkId id, Tier tier) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    chunk_locked(id);  // validate now, in the caller's thread
+  }
+  // Prefetching to device or host is a use (the chunk is wanted soon), so the
+  // policy does not pick it as the next victim.
+  return copier_->submit([this, id, tier] {
+    if (tier == Tier::kNvme) {
+      move(id, tier);
+    } else {
+      access(id, tier);
+    }
+  });
+}
+
+// Called with the lock held and `c` not busy (or busy by this very move).
+void ChunkManager::move_locked(Chunk& c, Tier to, Lock& lock) {
   if (c.location_ == to) return;
   STRATA_CHECK(c.movable(), "cannot move ", c.describe(), " to ", tier_name(to), ": ", c.compute_count_,
                " of its tensors are in COMPUTE; finish the operator (transition to HOLD) first");
+  const bool outer = !c.busy_;
   BusyGuard busy(c.busy_);
+  struct Notify {  // wake waiters when the outermost move of `c` ends, however it ends
+    bool outer;
+    std::condition_variable& cv;
+    ~Notify() {
+      if (outer) cv.notify_all();
+    }
+  } notify{outer, idle_};
   if (!c.location_) {
-    materialize(c, to == Tier::kNvme ? Tier::kHost : to);
+    materialize(c, to == Tier::kNvme ? Tier::kHost : to, lock);
     if (to != Tier::kNvme) return;
   }
   // device <-> nvme is staged through host, see Note [Eviction cascade].
-  if (*c.location_ != Tier::kHost && to != Tier::kHost) transfer(c, Tier::kHost);
-  transfer(c, to);
+  if (*c.location_ != Tier::kHost && to != Tier::kHost) transfer(c, Tier::kHost, lock);
+  transfer(c, to, lock);
 }
 
-void ChunkManager::materialize(Chunk& c, Tier to) {
+void ChunkManager::materialize(Chunk& c, Tier to, Lock& lock) {
   STRATA_ASSERT(to != Tier::kNvme, "chunks are materialised in addressable memory");
   const size_t bytes = c.alloc_bytes();
-  make_room(to, bytes, c);
+  make_room(to, bytes, c, lock);
   void* ptr = allocate(to, bytes);
   if (to == Tier::kDevice) {
     try {
@@ -216,43 +255,60 @@ void ChunkManager::materialize(Chunk& c, Tier to) {
   c.location_ = to;
 }
 
-void ChunkManager::transfer(Chunk& c, Tier to) {
+void ChunkManager::transfer(Chunk& c, Tier to, Lock& lock) {
   const Tier from = *c.location_;
   STRATA_ASSERT(from != to && (from == Tier::kHost || to == Tier::kHost), "transfer ", tier_name(from), " -> ",
                 tier_name(to), " is not one hop");
   const size_t bytes = c.alloc_bytes();
-  make_room(to, bytes, c);
-  void* dst = to == Tier::kNvme ? nullptr : allocate(to, bytes);
+  make_room(to, bytes, c, lock);
+  // Reserve the destination; from here both copies count against their budgets.
+  void* dst = nullptr;
+  if (to == Tier::kNvme) {
+    account(Tier::kNvme, static_cast<int64_t>(bytes), 1);
+  } else {
+    dst = allocate(to, bytes);
+  }
+  outgoing_[static_cast<int>(from)] += 1;
+  void* src = c.ptr_;
+  const ChunkId key = c.id_;
+  lock.unlock();  // the bytes move without the lock; `c` is busy, so nobody else touches it
+  std::exception_ptr failure;
   try {
     if (to == Tier::kNvme) {
-      account(Tier::kNvme, static_cast<int64_t>(bytes), 1);
-      nvme_->write(c.id_, c.ptr_, bytes);
+      nvme_->write(key, src, bytes);
     } else if (from == Tier::kNvme) {
-      nvme_->read(c.id_, dst, bytes);
+      nvme_->read(key, dst, bytes);
     } else if (to == Tier::kDevice) {
-      device_->copy_from_host(dst, c.ptr_, bytes);
+      device_->copy_from_host(dst, src, bytes);
     } else {
-      device_->copy_to_host(dst, c.ptr_, bytes);
+      device_->copy_to_host(dst, src, bytes);
     }
   } catch (...) {
+    failure = std::current_exception();
+  }
+  lock.lock();
+  outgoing_[static_cast<int>(from)] -= 1;
+  if (failure) {
     // The source is untouched and stays the chunk's payload.
     if (to == Tier::kNvme) {
-      nvme_->discard(c.id_);
+      nvme_->discard(key);
       account(Tier::kNvme, -static_cast<int64_t>(bytes), -1);
     } else {
       (to == Tier::kDevice ? device_->deallocate(dst) : host_.deallocate(dst));
       account(to, -static_cast<int64_t>(bytes), -1);
     }
-    throw;
+    idle_.notify_all();
+    std::rethrow_exception(failure);
   }
   free_payload(c);
   c.ptr_ = dst;
   c.location_ = to;
   moves_.bytes[static_cast<int>(from)][static_cast<int>(to)] += bytes;
   moves_.count[static_cast<int>(from)][static_cast<int>(to)] += 1;
+  idle_.notify_all();
 }
 
-void ChunkManager::make_room(Tier tier, size_t bytes, const Chunk& requester) {
+void ChunkManager::make_room(Tier tier, size_t bytes, const Chunk& requester, Lock& lock) {
   TierStats& s = stats_[static_cast<int>(tier)];
   STRATA_CHECK(tier != Tier::kNvme || nvme_ != nullptr, "cannot place ", requester.describe(),
                " on the nvme tier: no NVMe store is configured; raise the host budget or attach an NVMe store");
@@ -266,10 +322,14 @@ void ChunkManager::make_room(Tier tier, size_t bytes, const Chunk& requester) {
         if (c->location_ == tier && c->movable() && !c->busy_) candidates.push_back(c->id_);
       }
     }
+    if (candidates.empty() && outgoing_[static_cast<int>(tier)] > 0) {
+      idle_.wait(lock);  // a move leaving this tier will free its source
+      continue;
+    }
     STRATA_CHECK(!candidates.empty(), tier_name(tier), " tier cannot fit ", format_bytes(bytes), " for ",
                  requester.describe(), ": budget ", format_bytes(s.budget), ", ", format_bytes(s.used),
                  " resident in ", s.chunks, " chunks, none evictable",
-                 tier == Tier::kNvme ? " (nvme is the last tier)" : " (in COMPUTE or part of this move)", ". ",
+                 tier == Tier::kNvme ? " (nvme is the last tier)" : " (in COMPUTE or being moved)", ". ",
                  residency_report_locked(tier), ". Raise the ", tier_name(tier),
                  " budget, lower the chunk size, or release chunks");
     const ChunkId victim_id = policy_->choose_victim(tier, candidates);
@@ -278,7 +338,7 @@ void ChunkManager::make_room(Tier tier, size_t bytes, const Chunk& requester) {
                   " chose ", victim.describe(), ", which is not an eviction candidate on ", tier_name(tier));
     STRATA_LOG(kDebug, "evicting {} from {} to make room for {}", victim.describe(), tier_name(tier),
                requester.describe());
-    move_locked(victim, next_lower_tier(tier));
+    move_locked(victim, next_lower_tier(tier), lock);
     s.evictions += 1;
   }
 }
@@ -314,15 +374,17 @@ void ChunkManager::account(Tier tier, int64_t bytes, int64_t chunks) {
 }
 
 void ChunkManager::release(ChunkId id) {
-  std::lock_guard<std::mutex> lock(mu_);
+  Lock lock(mu_);
   Chunk& c = chunk_locked(id);
+  wait_idle(c, lock);
   STRATA_CHECK(c.movable(), "cannot release ", c.describe(), ": ", c.compute_count_,
                " of its tensors are in COMPUTE");
   free_payload(c);
+  idle_.notify_all();  // space freed: requests waiting for room may proceed
 }
 
 void ChunkManager::transition(ChunkId id, size_t slot, TensorState to) {
-  std::lock_guard<std::mutex> lock(mu_);
+  Lock lock(mu_);
   Chunk& c = chunk_locked(id);
   const TensorState from = c.state(slot);
   if (!is_legal_transition(from, to)) {
@@ -337,6 +399,7 @@ void ChunkManager::transition(ChunkId id, size_t slot, TensorState to) {
                 c.describe(), "; from ", tensor_state_name(from), " only ", legal, " may follow");
   }
   if (to == TensorState::kCompute) {
+    wait_idle(c, lock);  // never compute on a half-moved chunk
     STRATA_CHECK(c.location_ == Tier::kDevice || c.location_ == Tier::kHost, "tensor '",
                  families_[c.family_].tensor_names[slot], "' cannot enter COMPUTE: ", c.describe(),
                  " is not resident on device or host; access() it first");
@@ -349,16 +412,18 @@ void ChunkManager::transition(ChunkId id, size_t slot, TensorState to) {
 // --- payload access ----------------------------------------------------------
 
 void* ChunkManager::data(ChunkId id) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  Lock lock(mu_);
   const Chunk& c = chunk_locked(id);
+  wait_idle(c, lock);
   STRATA_CHECK(c.location_ == Tier::kDevice || c.location_ == Tier::kHost, "no addressable payload for ",
                c.describe(), "; access() it on device or host first");
   return c.ptr_;
 }
 
 void ChunkManager::read(ChunkId id, void* host_dst, size_t bytes) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  Lock lock(mu_);
   const Chunk& c = chunk_locked(id);
+  wait_idle(c, lock);
   STRATA_CHECK(bytes == c.payload_bytes(), "read of ", bytes, " bytes from ", c.describe(), " whose payload is ",
                c.payload_bytes(), " bytes");
   STRATA_CHECK(c.location_.has_value(), "cannot read ", c.describe(), ": it has no payload");
@@ -377,8 +442,9 @@ void ChunkManager::read(ChunkId id, void* host_dst, size_t bytes) const {
 }
 
 void ChunkManager::write(ChunkId id, const void* host_src, size_t bytes) {
-  std::lock_guard<std::mutex> lock(mu_);
+  Lock lock(mu_);
   Chunk& c = chunk_locked(id);
+  wait_idle(c, lock);
   STRATA_CHECK(bytes == c.payload_bytes(), "write of ", bytes, " bytes to ", c.describe(), " whose payload is ",
                c.payload_bytes(), " bytes");
   STRATA_CHECK(c.location_.has_value(), "cannot write ", c.describe(), ": it has no payload; access() it first");

@@ -21,6 +21,18 @@
 #include "strata/core/log.h"
 #include "strata/offload/extent_allocator.h"
 
+// Requests travel to the reaper thread through the kernel, which
+// ThreadSanitizer cannot see; these annotations tell it about that ordering.
+#if defined(__SANITIZE_THREAD__)
+extern "C" void __tsan_acquire(void* addr);
+extern "C" void __tsan_release(void* addr);
+#define STRATA_TSAN_RELEASE(p) __tsan_release(p)
+#define STRATA_TSAN_ACQUIRE(p) __tsan_acquire(p)
+#else
+#define STRATA_TSAN_RELEASE(p) ((void)(p))
+#define STRATA_TSAN_ACQUIRE(p) ((void)(p))
+#endif
+
 namespace strata::offload {
 
 // --- fault injection ---------------------------------------------------------
@@ -256,12 +268,15 @@ struct NvmeStore::Impl {
   }
 
   void complete(Block* b, int res) {
-    IoOp& op = *b->op;
-    if (b->fate.error != 0) res = -b->fate.error;
-    if (b->fate.shorten && res > 0) res = res / 2;
-    if (b->fate.corrupt && op.is_read && res > 0) b->buf[b->fate.byte % b->len] ^= 0x5a;
+    STRATA_TSAN_ACQUIRE(b);
     {
+      // Taken first: the block travelled through the kernel, and this lock is
+      // what orders its fields (written before submit() took it) for this thread.
       std::lock_guard<std::mutex> lock(mu);
+      IoOp& op = *b->op;
+      if (b->fate.error != 0) res = -b->fate.error;
+      if (b->fate.shorten && res > 0) res = res / 2;
+      if (b->fate.corrupt && op.is_read && res > 0) b->buf[b->fate.byte % b->len] ^= 0x5a;
       --inflight;
       ++stats.requests;
       if (op.error.empty()) {
@@ -337,6 +352,7 @@ struct NvmeStore::Impl {
         }
         if (fixed_files) sqe->flags |= IOSQE_FIXED_FILE;
         io_uring_sqe_set_data(sqe, b);
+        STRATA_TSAN_RELEASE(b);
       }
       int rc;
       do rc = io_uring_submit(&ring);

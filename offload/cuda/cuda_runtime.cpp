@@ -2,6 +2,9 @@
 #include "strata/offload/cuda_runtime.h"
 
 #include <cuda_runtime_api.h>
+
+#include <map>
+#include <mutex>
 #if defined(STRATA_HAVE_NCCL)
 #include <nccl.h>
 #endif
@@ -88,16 +91,43 @@ void device_free(int device, void* ptr) noexcept {
   }
 }
 
-void copy_host_to_device(int device, void* dst, const void* src, size_t bytes) {
+namespace {
+
+// One stream per direction and device, so uploads and downloads overlap; each
+// copy waits on an event of its own, so several threads can share a stream.
+cudaStream_t direction_stream(int device, bool to_device) {
+  static std::mutex mu;
+  static std::map<std::pair<int, bool>, cudaStream_t> streams;
+  std::lock_guard<std::mutex> lock(mu);
+  cudaStream_t& s = streams[{device, to_device}];
+  if (s == nullptr) {
+    STRATA_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "creating a copy stream on cuda:", device);
+  }
+  return s;
+}
+
+void copy_on_stream(int device, void* dst, const void* src, size_t bytes, bool to_device) {
   STRATA_CUDA_CHECK(cudaSetDevice(device), "selecting CUDA device ", device);
-  STRATA_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice), "copying ", bytes,
-                    " bytes host -> cuda:", device);
+  cudaStream_t stream = direction_stream(device, to_device);
+  cudaEvent_t done = nullptr;
+  STRATA_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), "creating a copy event");
+  const cudaError_t copy = cudaMemcpyAsync(dst, src, bytes, to_device ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost,
+                                           stream);
+  const cudaError_t record = copy == cudaSuccess ? cudaEventRecord(done, stream) : copy;
+  const cudaError_t sync = record == cudaSuccess ? cudaEventSynchronize(done) : record;
+  cudaEventDestroy(done);
+  STRATA_CUDA_CHECK(sync, "copying ", bytes, to_device ? " bytes host -> cuda:" : " bytes cuda:", device,
+                    to_device ? "" : " -> host");
+}
+
+}  // namespace
+
+void copy_host_to_device(int device, void* dst, const void* src, size_t bytes) {
+  copy_on_stream(device, dst, src, bytes, true);
 }
 
 void copy_device_to_host(int device, void* dst, const void* src, size_t bytes) {
-  STRATA_CUDA_CHECK(cudaSetDevice(device), "selecting CUDA device ", device);
-  STRATA_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost), "copying ", bytes,
-                    " bytes cuda:", device, " -> host");
+  copy_on_stream(device, dst, src, bytes, false);
 }
 
 void device_memset_zero(int device, void* ptr, size_t bytes) {

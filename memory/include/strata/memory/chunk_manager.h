@@ -9,7 +9,12 @@
 // requested, the budget and what is resident, and changes nothing it could not
 // complete (no chunk loses its payload).
 //
-// Thread safety: every public member takes the manager's lock.
+// Thread safety: every public member may be called from any thread. The
+// manager's lock guards its state but is released while bytes are copied, so
+// moves of different chunks overlap with each other and with compute. A chunk
+// being moved is "busy": it is never an eviction candidate, and every call
+// that would read it, pin it or move it again waits until the move is done
+// (counted as a stall). prefetch() starts a move on the copy engine.
 //
 // Note [Eviction cascade]
 // Making room on a tier evicts one chunk at a time to the next lower tier
@@ -18,11 +23,15 @@
 // move in progress are marked busy and are never candidates, so a cascade
 // cannot evict the chunk it is making room for. Moves between non-adjacent
 // tiers go through host (nvme <-> device is staged in host memory, which is
-// accounted like any other host residency). A move allocates the destination,
-// copies, and only then frees the source: when the copy fails, the source is
-// still the valid payload.
+// accounted like any other host residency). A move reserves and allocates the
+// destination (so both copies count against their budgets while the bytes
+// move), copies with the lock released, and only then frees the source: when
+// the copy fails, the source is still the valid payload. When every chunk on a
+// full tier is busy or pinned, a request waits for moves leaving that tier
+// and fails only if none is in flight.
 
 #include <array>
+#include <condition_variable>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -33,6 +42,7 @@
 #include "strata/memory/eviction_policy.h"
 #include "strata/memory/swap_store.h"
 #include "strata/memory/types.h"
+#include "strata/offload/copy_engine.h"
 #include "strata/offload/device_memory.h"
 #include "strata/offload/host_arena.h"
 
@@ -50,6 +60,8 @@ struct ChunkManagerOptions {
   std::unique_ptr<EvictionPolicy> policy;
   /// Ranks a chunk is sharded over (ZeRO); chunk capacities are multiples of it.
   int world_size = 1;
+  /// Worker threads of the copy engine that runs prefetches.
+  int copy_threads = 2;
 };
 
 struct TierStats {
@@ -64,6 +76,8 @@ struct MoveStats {
   // [from][to], indexed by Tier.
   std::array<std::array<uint64_t, kNumTiers>, kNumTiers> bytes{};
   std::array<std::array<uint64_t, kNumTiers>, kNumTiers> count{};
+  uint64_t stalls = 0;         // calls that waited for a chunk's move in flight
+  double stall_seconds = 0.0;  // time spent in those waits
 };
 
 class ChunkManager {
@@ -91,6 +105,9 @@ class ChunkManager {
   void* access(ChunkId id, Tier tier);
   /// Moves the payload to any tier, nvme included. Not a use for the policy.
   void move(ChunkId id, Tier tier);
+  /// Starts move(id, tier) on the copy engine and returns at once. A later
+  /// access() of the chunk waits for it (a stall) if it is still in flight.
+  offload::CopyTicket prefetch(ChunkId id, Tier tier);
   /// Drops the payload wherever it is. The chunk must have no tensor in COMPUTE.
   void release(ChunkId id);
   /// Moves one tensor of the chunk through the state machine (tensor_state.h).
@@ -113,22 +130,25 @@ class ChunkManager {
   std::string residency_report(Tier tier) const;
 
  private:
+  using Lock = std::unique_lock<std::mutex>;
   Chunk& chunk_locked(ChunkId id);
   const Chunk& chunk_locked(ChunkId id) const;
+  void wait_idle(const Chunk& c, Lock& lock) const;
   Registration register_layouts(const std::vector<TensorSpec>& tensors, const FamilySpec& spec,
                                 std::vector<ChunkLayout> layouts, const ChunkSizePlan& plan);
   ChunkId new_chunk(FamilyId family, std::shared_ptr<const ChunkLayout> layout, ChunkRole role, int index,
                     DType dtype);
-  void move_locked(Chunk& c, Tier to);
-  void transfer(Chunk& c, Tier to);  // one hop: device<->host or host<->nvme
-  void materialize(Chunk& c, Tier to);
-  void make_room(Tier tier, size_t bytes, const Chunk& requester);
+  void move_locked(Chunk& c, Tier to, Lock& lock);
+  void transfer(Chunk& c, Tier to, Lock& lock);  // one hop: device<->host or host<->nvme
+  void materialize(Chunk& c, Tier to, Lock& lock);
+  void make_room(Tier tier, size_t bytes, const Chunk& requester, Lock& lock);
   void* allocate(Tier tier, size_t bytes);
   void free_payload(Chunk& c) noexcept;
   void account(Tier tier, int64_t bytes, int64_t chunks);
   std::string residency_report_locked(Tier tier) const;
 
   mutable std::mutex mu_;
+  mutable std::condition_variable idle_;  // a move finished
   TierBudgets budgets_;
   std::shared_ptr<offload::DeviceMemory> device_;
   offload::HostArena host_;
@@ -138,7 +158,9 @@ class ChunkManager {
   std::vector<std::unique_ptr<Chunk>> chunks_;
   std::vector<ChunkFamily> families_;
   std::array<TierStats, kNumTiers> stats_{};
-  MoveStats moves_;
+  std::array<int, kNumTiers> outgoing_{};  // moves in flight leaving each tier
+  mutable MoveStats moves_;
+  std::unique_ptr<offload::CopyEngine> copier_;  // last: its jobs use everything above
 };
 
 }  // namespace strata::memory
