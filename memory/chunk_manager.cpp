@@ -230,8 +230,6 @@ void ChunkManager::move_locked(Chunk& c, Tier to, Lock& lock) {
     materialize(c, to == Tier::kNvme ? Tier::kHost : to, lock);
     if (to != Tier::kNvme) return;
   }
-  // device <-> nvme is staged through host, see Note [Eviction cascade].
-  if (*c.location_ != Tier::kHost && to != Tier::kHost) transfer(c, Tier::kHost, lock);
   transfer(c, to, lock);
 }
 
@@ -257,8 +255,7 @@ void ChunkManager::materialize(Chunk& c, Tier to, Lock& lock) {
 
 void ChunkManager::transfer(Chunk& c, Tier to, Lock& lock) {
   const Tier from = *c.location_;
-  STRATA_ASSERT(from != to && (from == Tier::kHost || to == Tier::kHost), "transfer ", tier_name(from), " -> ",
-                tier_name(to), " is not one hop");
+  STRATA_ASSERT(from != to, "transfer to the tier the chunk is on");
   const size_t bytes = c.alloc_bytes();
   make_room(to, bytes, c, lock);
   // Reserve the destination; from here both copies count against their budgets.
@@ -274,7 +271,17 @@ void ChunkManager::transfer(Chunk& c, Tier to, Lock& lock) {
   lock.unlock();  // the bytes move without the lock; `c` is busy, so nobody else touches it
   std::exception_ptr failure;
   try {
-    if (to == Tier::kNvme) {
+    if (from == Tier::kDevice && to == Tier::kNvme) {
+      // Streamed: block i is written while block i+1 comes off the device.
+      nvme_->write_streamed(key, bytes, [&](size_t off, void* block, size_t len) {
+        device_->copy_to_host(block, static_cast<const char*>(src) + off, len);
+      });
+    } else if (from == Tier::kNvme && to == Tier::kDevice) {
+      // Streamed: block i goes to the device while block i+1 is read.
+      nvme_->read_streamed(key, bytes, [&](size_t off, const void* block, size_t len) {
+        device_->copy_from_host(static_cast<char*>(dst) + off, block, len);
+      });
+    } else if (to == Tier::kNvme) {
       nvme_->write(key, src, bytes);
     } else if (from == Tier::kNvme) {
       nvme_->read(key, dst, bytes);
@@ -452,10 +459,21 @@ void ChunkManager::write(ChunkId id, const void* host_src, size_t bytes) {
     case Tier::kDevice: device_->copy_from_host(c.ptr_, host_src, bytes); break;
     case Tier::kHost: std::memcpy(c.ptr_, host_src, bytes); break;
     case Tier::kNvme: {
+      // The store writes the new copy before it frees the old one, so the
+      // rewrite needs room for a second copy while it runs.
+      BusyGuard busy(c.busy_);
+      make_room(Tier::kNvme, c.alloc_bytes(), c, lock);
+      account(Tier::kNvme, static_cast<int64_t>(c.alloc_bytes()), 0);
       AlignedBuffer staging = aligned_buffer(nvme_->alignment(), c.alloc_bytes());
       std::memset(static_cast<char*>(staging.get()) + bytes, 0, c.alloc_bytes() - bytes);
       std::memcpy(staging.get(), host_src, bytes);
-      nvme_->write(c.id_, staging.get(), c.alloc_bytes());
+      try {
+        nvme_->write(c.id_, staging.get(), c.alloc_bytes());
+      } catch (...) {
+        account(Tier::kNvme, -static_cast<int64_t>(c.alloc_bytes()), 0);
+        throw;
+      }
+      account(Tier::kNvme, -static_cast<int64_t>(c.alloc_bytes()), 0);
       break;
     }
   }

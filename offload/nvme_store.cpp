@@ -19,6 +19,7 @@
 #include "strata/core/bytes.h"
 #include "strata/core/error.h"
 #include "strata/core/log.h"
+#include "strata/offload/cuda_runtime.h"
 #include "strata/offload/extent_allocator.h"
 
 // Requests travel to the reaper thread through the kernel, which
@@ -69,6 +70,7 @@ struct IoOp {
   int pending = 0;    // blocks not yet completed (guarded by the store's mutex)
   bool done = false;  // every block completed
   bool verified = false;
+  bool raw = false;   // one block of a streamed transfer: no record update, no checksum here
   std::string error;  // the first failure, empty on success
 };
 
@@ -135,6 +137,53 @@ struct NvmeStore::Impl {
   std::mutex submit_mu;  // the submission queue
   std::thread reaper;
 
+  std::mutex stream_mu;  // one streamed transfer at a time: it owns the staging blocks
+  std::vector<char*> staging;
+  bool staging_pinned = false;
+  std::vector<std::pair<void*, size_t>> user_buffers;
+
+  // One block of a streamed transfer: [offset, offset+len) of `whole`.
+  IoTicket submit_raw(bool is_read, int64_t key, const Extent& whole, size_t offset, char* buf, size_t len) {
+    auto op = std::make_shared<IoOp>();
+    op->is_read = is_read;
+    op->raw = true;
+    op->key = key;
+    op->bytes = len;
+    op->buf = buf;
+    op->extent = Extent{whole.file, whole.offset + offset, len};
+    submit(op);
+    return op;
+  }
+
+  // Waits for every ticket, returning the first error (empty if none).
+  std::string drain(std::vector<IoTicket>& tickets) {
+    std::string first;
+    for (auto& t : tickets) {
+      if (!t) continue;
+      std::unique_lock<std::mutex> lock(mu);
+      cv.wait(lock, [&] { return t->done; });
+      if (first.empty()) first = t->error;
+      t.reset();
+    }
+    return first;
+  }
+
+  void register_all_buffers() {
+    std::vector<iovec> iov;
+    fixed_buffers.clear();
+    for (char* p : staging) iov.push_back({p, opt.block_bytes});
+    for (const auto& [p, n] : user_buffers) iov.push_back({p, n});
+    if (iov.empty()) return;
+    std::lock_guard<std::mutex> lock(submit_mu);
+    io_uring_unregister_buffers(&ring);  // fails harmlessly when none are registered
+    const int rc = io_uring_register_buffers(&ring, iov.data(), static_cast<unsigned>(iov.size()));
+    if (rc != 0) {
+      STRATA_LOG(kWarn, "io_uring_register_buffers failed ({}); transfers use unregistered buffers", errno_text(-rc));
+      return;
+    }
+    for (const iovec& v : iov) fixed_buffers.emplace_back(static_cast<char*>(v.iov_base), v.iov_len);
+  }
+
   ~Impl() { teardown(); }
 
   void teardown() noexcept {
@@ -158,6 +207,11 @@ struct NvmeStore::Impl {
       io_uring_queue_exit(&ring);
       ring_ready = false;
     }
+    for (char* p : staging) {
+      if (staging_pinned) cuda::host_unregister(p);
+      std::free(p);
+    }
+    staging.clear();
     for (size_t i = 0; i < fds.size(); ++i) {
       if (fds[i] >= 0) ::close(fds[i]);
       if (::unlink(paths[i].c_str()) != 0) {
@@ -298,7 +352,7 @@ struct NvmeStore::Impl {
 
   // Called with `mu` held once every block of `op` completed.
   void finish(IoOp& op) {
-    if (!op.is_read) {
+    if (!op.is_read && !op.raw) {
       if (op.error.empty()) {
         const auto it = records.find(op.key);
         if (it != records.end()) alloc->free(it->second.extent);
@@ -384,6 +438,15 @@ NvmeStore::NvmeStore(NvmeStoreOptions options) : impl_(std::make_unique<Impl>())
   s.create_files();
   s.start_ring();
   s.stats.capacity = s.alloc->capacity();
+  STRATA_CHECK(s.opt.staging_blocks >= 2, "the NVMe store needs at least 2 staging blocks, got ", s.opt.staging_blocks);
+  s.staging_pinned = true;
+  for (unsigned i = 0; i < s.opt.staging_blocks; ++i) {
+    char* p = static_cast<char*>(std::aligned_alloc(kAlignment, s.opt.block_bytes));
+    STRATA_CHECK(p != nullptr, "cannot allocate NVMe staging buffers");
+    s.staging.push_back(p);
+    s.staging_pinned = cuda::host_register(p, s.opt.block_bytes) && s.staging_pinned;
+  }
+  s.register_all_buffers();
 }
 
 NvmeStore::~NvmeStore() = default;
@@ -446,7 +509,7 @@ bool NvmeStore::test(const IoTicket& op) {
   {
     std::lock_guard<std::mutex> lock(s.mu);
     if (!op->done) return false;
-    verify = op->is_read && op->error.empty() && !op->verified;
+    verify = op->is_read && !op->raw && op->error.empty() && !op->verified;
   }
   if (verify) {
     // See Note [NVMe store integrity].
@@ -484,16 +547,106 @@ bool NvmeStore::contains(int64_t key) const {
 
 void NvmeStore::register_buffers(const std::vector<std::pair<void*, size_t>>& regions) {
   Impl& s = *impl_;
-  STRATA_CHECK(s.fixed_buffers.empty(), "NVMe store buffers are registered once");
-  std::vector<iovec> iov;
-  for (const auto& [p, n] : regions) iov.push_back({p, n});
-  std::lock_guard<std::mutex> lock(s.submit_mu);
-  const int rc = io_uring_register_buffers(&s.ring, iov.data(), static_cast<unsigned>(iov.size()));
-  if (rc != 0) {
-    STRATA_LOG(kWarn, "io_uring_register_buffers failed ({}); transfers use unregistered buffers", errno_text(-rc));
-    return;
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    STRATA_CHECK(s.inflight == 0, "register NVMe store buffers before starting I/O");
   }
-  for (const auto& [p, n] : regions) s.fixed_buffers.emplace_back(static_cast<char*>(p), n);
+  s.user_buffers.insert(s.user_buffers.end(), regions.begin(), regions.end());
+  s.register_all_buffers();
+}
+
+void NvmeStore::read_streamed(int64_t key, size_t bytes, const BlockSink& sink) {
+  Impl& s = *impl_;
+  std::lock_guard<std::mutex> stream(s.stream_mu);
+  Extent whole;
+  uint64_t checksum = 0;
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    const auto it = s.records.find(key);
+    STRATA_CHECK(it != s.records.end(), "NVMe read of chunk ", key, ": the chunk is not in the store");
+    STRATA_CHECK(it->second.bytes == bytes, "NVMe read of chunk ", key, " asks for ", bytes, " bytes but ",
+                 it->second.bytes, " are stored");
+    whole = it->second.extent;
+    checksum = it->second.checksum;
+  }
+  const size_t block = s.opt.block_bytes, k = s.staging.size();
+  const size_t n = (bytes + block - 1) / block;
+  std::vector<IoTicket> slots(k);
+  auto issue = [&](size_t i) {
+    const size_t off = i * block;
+    slots[i % k] = s.submit_raw(true, key, whole, off, s.staging[i % k], std::min(block, bytes - off));
+  };
+  XXH3_state_t* state = XXH3_createState();
+  XXH3_64bits_reset(state);
+  try {
+    for (size_t i = 0; i < std::min(k, n); ++i) issue(i);
+    for (size_t i = 0; i < n; ++i) {
+      const size_t off = i * block, len = std::min(block, bytes - off);
+      wait(slots[i % k]);
+      slots[i % k].reset();
+      XXH3_64bits_update(state, s.staging[i % k], len);
+      sink(off, s.staging[i % k], len);
+      if (i + k < n) issue(i + k);
+    }
+  } catch (...) {
+    s.drain(slots);  // reads still landing in the staging blocks must finish first
+    XXH3_freeState(state);
+    throw;
+  }
+  const uint64_t got = XXH3_64bits_digest(state);
+  XXH3_freeState(state);
+  STRATA_CHECK(got == checksum, "NVMe chunk ", key, " is corrupt: checksum mismatch streaming ",
+               s.paths[whole.file], " offset ", whole.offset, " (", bytes, " bytes)");
+}
+
+void NvmeStore::write_streamed(int64_t key, size_t bytes, const BlockSource& source) {
+  Impl& s = *impl_;
+  std::lock_guard<std::mutex> stream(s.stream_mu);
+  s.check_buffer(s.staging[0], bytes, "write", key);
+  Extent whole;
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    const auto extent = s.alloc->allocate(round_up(bytes, kAlignment));
+    STRATA_CHECK(extent.has_value(), "NVMe store full: no free extent of ", format_bytes(bytes), " for chunk ", key,
+                 " in ", s.opt.directory, " (", format_bytes(s.alloc->used()), " of ", format_bytes(s.alloc->capacity()),
+                 " used); raise the nvme budget or lower the chunk size");
+    whole = *extent;
+  }
+  const size_t block = s.opt.block_bytes, k = s.staging.size();
+  std::vector<IoTicket> slots(k);
+  XXH3_state_t* state = XXH3_createState();
+  XXH3_64bits_reset(state);
+  std::string error;
+  try {
+    for (size_t off = 0, i = 0; off < bytes; off += block, ++i) {
+      const size_t len = std::min(block, bytes - off);
+      if (slots[i % k]) {
+        std::vector<IoTicket> one{slots[i % k]};
+        error = s.drain(one);
+        slots[i % k].reset();
+        if (!error.empty()) break;
+      }
+      source(off, s.staging[i % k], len);
+      XXH3_64bits_update(state, s.staging[i % k], len);
+      slots[i % k] = s.submit_raw(false, key, whole, off, s.staging[i % k], len);
+    }
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  const std::string rest = s.drain(slots);
+  if (error.empty()) error = rest;
+  const uint64_t digest = XXH3_64bits_digest(state);
+  XXH3_freeState(state);
+  std::lock_guard<std::mutex> lock(s.mu);
+  if (!error.empty()) {
+    s.alloc->free(whole);  // the previous copy, if any, stays the chunk's record
+    STRATA_FAIL(error);
+  }
+  const auto it = s.records.find(key);
+  if (it != s.records.end()) s.alloc->free(it->second.extent);
+  s.records[key] = Impl::Record{whole, digest, bytes};
+  s.stats.used = s.alloc->used();
+  s.stats.chunks = s.records.size();
 }
 
 NvmeStoreStats NvmeStore::stats() const {

@@ -174,39 +174,62 @@ TEST(ChunkManager, CascadesDeviceToHostToNvmeAndBack) {
   EXPECT_EQ(mgr.chunk(ids[3]).location(), Tier::kDevice);
   EXPECT_TRUE(nvme.holds(ids[0]));
   EXPECT_EQ(contents(mgr, ids[0]), pattern(ids[0]));
-  // nvme -> device is staged through host: 0 displaces 1 on host, then 3
-  // leaves the device for host, displacing 2 (0 is busy, never a candidate).
+  // nvme -> device streams directly: 3 leaves the device for host, which
+  // pushes 1 (least recently used there) to nvme; host is not a staging area.
   mgr.access(ids[0], Tier::kDevice);
   EXPECT_EQ(mgr.chunk(ids[0]).location(), Tier::kDevice);
   EXPECT_EQ(mgr.chunk(ids[1]).location(), Tier::kNvme);
-  EXPECT_EQ(mgr.chunk(ids[2]).location(), Tier::kNvme);
+  EXPECT_EQ(mgr.chunk(ids[2]).location(), Tier::kHost);
   EXPECT_EQ(mgr.chunk(ids[3]).location(), Tier::kHost);
   EXPECT_FALSE(nvme.holds(ids[0]));
   const MoveStats m = mgr.move_stats();
-  EXPECT_EQ(m.count[int(Tier::kNvme)][int(Tier::kHost)], 1u);
-  EXPECT_EQ(m.count[int(Tier::kHost)][int(Tier::kNvme)], 3u);
+  EXPECT_EQ(m.count[int(Tier::kNvme)][int(Tier::kDevice)], 1u);
+  EXPECT_EQ(m.count[int(Tier::kNvme)][int(Tier::kHost)], 0u);
+  EXPECT_EQ(m.count[int(Tier::kHost)][int(Tier::kNvme)], 2u);
   EXPECT_EQ(m.count[int(Tier::kDevice)][int(Tier::kHost)], 4u);
-  EXPECT_EQ(m.bytes[int(Tier::kHost)][int(Tier::kDevice)], kPage);
-  EXPECT_EQ(mgr.tier_stats(Tier::kNvme).used, 2 * kPage);
+  EXPECT_EQ(m.bytes[int(Tier::kNvme)][int(Tier::kDevice)], kPage);
+  EXPECT_EQ(mgr.tier_stats(Tier::kNvme).used, kPage);
   for (int i = 0; i < 4; ++i) EXPECT_EQ(contents(mgr, ids[i]), pattern(ids[i])) << i;
   for (Tier t : {Tier::kDevice, Tier::kHost, Tier::kNvme}) {
     EXPECT_LE(mgr.tier_stats(t).peak, mgr.tier_stats(t).budget) << tier_name(t);
   }
 }
 
-TEST(ChunkManager, StagingNeedsRoomOnHost) {
-  // nvme -> device with a one-chunk host tier: the staged chunk fills host, so
-  // the device chunk it displaces has nowhere to go. The request fails cleanly.
-    TestNvme nvme(4 * kPage);
+TEST(ChunkManager, NvmeToDeviceNeedsNoRoomOnHost) {
+  // A one-chunk host tier, full: nvme -> device streams through the store's
+  // staging blocks instead of parking the chunk on host.
+  TestNvme nvme(4 * kPage);
   ChunkManager mgr(options(kPage, kPage, 4 * kPage, nvme.store));
   const auto ids = add_chunks(mgr, 3);
   fill(mgr, ids[0], Tier::kDevice);
   fill(mgr, ids[1], Tier::kDevice);
   fill(mgr, ids[2], Tier::kDevice);  // 0 -> nvme, 1 on host, 2 on device
   ASSERT_EQ(mgr.chunk(ids[0]).location(), Tier::kNvme);
-  EXPECT_THROW(mgr.access(ids[0], Tier::kDevice), Error);
+  mgr.access(ids[0], Tier::kDevice);  // 2 -> host pushes 1 -> nvme; 0 streams nvme -> device
+  EXPECT_EQ(mgr.chunk(ids[0]).location(), Tier::kDevice);
+  EXPECT_EQ(mgr.chunk(ids[1]).location(), Tier::kNvme);
+  EXPECT_EQ(mgr.chunk(ids[2]).location(), Tier::kHost);
   for (int i = 0; i < 3; ++i) EXPECT_EQ(contents(mgr, ids[i]), pattern(ids[i])) << i;
   EXPECT_LE(mgr.tier_stats(Tier::kHost).peak, kPage);
+}
+
+TEST(ChunkManager, CorruptNvmeChunkNeverReachesTheDevice) {
+  TestNvme nvme(8 * kPage);
+  ChunkManager mgr(options(2 * kPage, 2 * kPage, 8 * kPage, nvme.store));
+  const auto ids = add_chunks(mgr, 1);
+  fill(mgr, ids[0], Tier::kDevice);
+  mgr.move(ids[0], Tier::kNvme);  // streamed device -> nvme
+  nvme.faults->corrupt_request(1, 77);
+  try {
+    mgr.access(ids[0], Tier::kDevice);
+    FAIL() << "a flipped byte was not detected";
+  } catch (const Error& e) {
+    EXPECT_NE(e.message().find("checksum mismatch"), std::string::npos) << e.message();
+  }
+  EXPECT_EQ(mgr.chunk(ids[0]).location(), Tier::kNvme) << "the chunk stays where its valid copy is";
+  EXPECT_EQ(mgr.tier_stats(Tier::kDevice).used, 0u) << "the half-filled device buffer was returned";
+  mgr.access(ids[0], Tier::kDevice);
+  EXPECT_EQ(contents(mgr, ids[0]), pattern(ids[0]));
 }
 
 TEST(ChunkManager, ComputeChunksAreNeverMovedEvictedOrReleased) {

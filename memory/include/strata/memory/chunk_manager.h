@@ -21,9 +21,9 @@
 // until the request fits. Making room there may in turn evict from it, so a
 // device request can push a host chunk to nvme. Chunks taking part in the
 // move in progress are marked busy and are never candidates, so a cascade
-// cannot evict the chunk it is making room for. Moves between non-adjacent
-// tiers go through host (nvme <-> device is staged in host memory, which is
-// accounted like any other host residency). A move reserves and allocates the
+// cannot evict the chunk it is making room for. nvme <-> device moves are
+// direct: they stream through the NVMe store's staging blocks (Note [Streamed
+// transfers] in nvme_store.h), so they need no room on host. A move reserves and allocates the
 // destination (so both copies count against their budgets while the bytes
 // move), copies with the lock released, and only then frees the source: when
 // the copy fails, the source is still the valid payload. When every chunk on a
@@ -139,7 +139,7 @@ class ChunkManager {
   ChunkId new_chunk(FamilyId family, std::shared_ptr<const ChunkLayout> layout, ChunkRole role, int index,
                     DType dtype);
   void move_locked(Chunk& c, Tier to, Lock& lock);
-  void transfer(Chunk& c, Tier to, Lock& lock);  // one hop: device<->host or host<->nvme
+  void transfer(Chunk& c, Tier to, Lock& lock);
   void materialize(Chunk& c, Tier to, Lock& lock);
   void make_room(Tier tier, size_t bytes, const Chunk& requester, Lock& lock);
   void* allocate(Tier tier, size_t bytes);

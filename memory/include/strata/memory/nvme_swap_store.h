@@ -18,6 +18,13 @@ class NvmeSwapStore final : public SwapStore {
   void read(int64_t key, void* dst, size_t bytes) override { store_.read(key, dst, bytes); }
   void discard(int64_t key) noexcept override { store_.discard(key); }
   size_t alignment() const noexcept override { return offload::NvmeStore::kAlignment; }
+  void read_streamed(int64_t key, size_t bytes,
+                     const std::function<void(size_t, const void*, size_t)>& sink) override {
+    store_.read_streamed(key, bytes, sink);
+  }
+  void write_streamed(int64_t key, size_t bytes, const std::function<void(size_t, void*, size_t)>& source) override {
+    store_.write_streamed(key, bytes, source);
+  }
   std::string describe() const override { return store_.describe(); }
 
   offload::NvmeStore& store() { return store_; }

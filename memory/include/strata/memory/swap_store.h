@@ -10,10 +10,17 @@
 //  - read() returns exactly the bytes last written, or throws (short read,
 //    checksum mismatch, EIO), naming the file, offset and chunk. It never
 //    returns wrong data silently;
-//  - host buffers passed in are aligned to alignment() and sizes are multiples of it.
-// The calls are synchronous here; the copy engine makes them asynchronous.
+//  - host buffers passed in are aligned to alignment() and sizes are multiples of it;
+//  - read_streamed / write_streamed move a chunk block by block through the
+//    store's own staging buffers, handing each block to a callback while the
+//    next ones are in flight (device <-> nvme without a host-tier copy), with
+//    the same integrity and failure guarantees.
+// The calls block the calling thread; the ChunkManager runs them without its
+// lock held and on the copy engine for prefetches.
 
 #include <cstddef>
+#include <cstdint>
+#include <functional>
 #include <string>
 
 namespace strata::memory {
@@ -27,6 +34,10 @@ class SwapStore {
   /// Forgets `key`; its space can be reused. Never throws.
   virtual void discard(int64_t key) noexcept = 0;
   virtual size_t alignment() const noexcept = 0;
+  virtual void read_streamed(int64_t key, size_t bytes,
+                             const std::function<void(size_t offset, const void* data, size_t len)>& sink) = 0;
+  virtual void write_streamed(int64_t key, size_t bytes,
+                              const std::function<void(size_t offset, void* data, size_t len)>& source) = 0;
   /// For messages: "nvme store at /scratch/strata (3 files)".
   virtual std::string describe() const = 0;
 };

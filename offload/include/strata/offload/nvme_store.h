@@ -30,6 +30,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -70,6 +71,7 @@ struct NvmeStoreOptions {
   unsigned queue_depth = 32;
   size_t block_bytes = 1 << 20;       // transfers are split into blocks of this size
   bool direct_io = true;              // O_DIRECT (needs 4 KiB-aligned buffers and sizes)
+  unsigned staging_blocks = 4;        // pinned, registered blocks for read_streamed / write_streamed
   std::shared_ptr<FaultInjector> faults;
 };
 
@@ -113,6 +115,23 @@ class NvmeStore {
 
   void write(int64_t key, const void* src, size_t bytes) { wait(write_async(key, src, bytes)); }
   void read(int64_t key, void* dst, size_t bytes) { wait(read_async(key, dst, bytes)); }
+  /// Called with each block of a streamed transfer, in order.
+  using BlockSink = std::function<void(size_t offset, const void* data, size_t len)>;
+  using BlockSource = std::function<void(size_t offset, void* data, size_t len)>;
+
+  /// Note [Streamed transfers]
+  /// Reads the chunk block by block into the store's staging buffers (pinned,
+  /// registered with the ring) and hands block i to `sink` while blocks
+  /// i+1.. are being read, so a copy onward (to a GPU) overlaps the disk. The
+  /// checksum is computed on the fly and checked at the end: on a mismatch
+  /// this throws after `sink` saw the blocks, and the caller must discard
+  /// what it copied. One streamed transfer runs at a time per store.
+  void read_streamed(int64_t key, size_t bytes, const BlockSink& sink);
+  /// Stores `bytes` under `key`, asking `source` to fill each block while the
+  /// previous blocks are written. Same guarantees as write(): on any failure
+  /// the previous copy stays.
+  void write_streamed(int64_t key, size_t bytes, const BlockSource& source);
+
   /// Frees the key's extent. Must not race with a transfer of the same key.
   void discard(int64_t key) noexcept;
   bool contains(int64_t key) const;
