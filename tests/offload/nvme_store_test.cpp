@@ -224,5 +224,53 @@ TEST_F(NvmeStoreTest, RegisteredBuffersUseFixedTransfers) {
   EXPECT_TRUE(back == region);
 }
 
+TEST_F(NvmeStoreTest, StreamedTransfersPipelineBlocksAndVerify) {
+  auto faults = std::make_shared<FaultInjector>();
+  NvmeStoreOptions o = options();
+  o.faults = faults;
+  NvmeStore store(o);  // 256 KiB blocks, 4 staging blocks
+  Buffer src((3 << 20) + 3 * kPage, 21), dst(src.bytes, 0);
+  size_t expected_offset = 0;
+  store.write_streamed(5, src.bytes, [&](size_t off, void* block, size_t len) {
+    EXPECT_EQ(off, expected_offset) << "blocks are produced in order";
+    expected_offset += len;
+    std::memcpy(block, static_cast<char*>(src.get()) + off, len);
+  });
+  EXPECT_EQ(expected_offset, src.bytes);
+  Buffer plain(src.bytes);
+  store.read(5, plain.get(), plain.bytes);  // the streamed copy verifies through the plain path too
+  EXPECT_TRUE(plain == src);
+  size_t blocks = 0;
+  store.read_streamed(5, dst.bytes, [&](size_t off, const void* block, size_t len) {
+    std::memcpy(static_cast<char*>(dst.get()) + off, block, len);
+    ++blocks;
+  });
+  EXPECT_TRUE(dst == src);
+  EXPECT_EQ(blocks, (src.bytes + (256 << 10) - 1) / (256 << 10));
+
+  faults->corrupt_request(7, 5);
+  const std::string msg = error_of([&] { store.read_streamed(5, dst.bytes, [](size_t, const void*, size_t) {}); });
+  EXPECT_NE(msg.find("NVMe chunk 5 is corrupt: checksum mismatch"), std::string::npos) << msg;
+
+  // A failed streamed rewrite keeps the previous copy; so does a throwing source.
+  Buffer other(src.bytes, 22);
+  faults->fail_request(2, ENOSPC);
+  EXPECT_NE(error_of([&] {
+              store.write_streamed(5, other.bytes, [&](size_t off, void* block, size_t len) {
+                std::memcpy(block, static_cast<char*>(other.get()) + off, len);
+              });
+            }).find("No space left on device"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] {
+              store.write_streamed(5, other.bytes, [&](size_t off, void*, size_t) {
+                if (off > 0) throw Error("device copy failed", __FILE__, __LINE__);
+              });
+            }).find("device copy failed"),
+            std::string::npos);
+  store.read(5, plain.get(), plain.bytes);
+  EXPECT_TRUE(plain == src);
+  EXPECT_EQ(store.stats().used, src.bytes) << "failed streamed writes return their extents";
+}
+
 }  // namespace
 }  // namespace strata::offload
