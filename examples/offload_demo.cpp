@@ -10,8 +10,11 @@
 // bit-identical, and no tier may exceed its budget. Until the engine issue
 // lands (attach, op hooks, training), this is the end-to-end demonstration.
 //
-//   offload_demo [--layers 8] [--hidden 512] [--device-budget 24MiB] [--host-budget 1GiB] [--steps 3]
-// Options can also come from STRATA_DEVICE_BUDGET / STRATA_HOST_BUDGET.
+//   offload_demo [--layers 8] [--hidden 512] [--device-budget 24MiB] [--host-budget 40MiB]
+//                [--nvme-budget 256MiB] [--nvme-dir DIR] [--steps 3]
+// Options can also come from STRATA_DEVICE_BUDGET, STRATA_HOST_BUDGET,
+// STRATA_NVME_BUDGET and STRATA_NVME_DIR. With the defaults the model does not
+// fit on device and host together, so every pass also streams chunks from NVMe.
 
 #include <torch/torch.h>
 
@@ -24,6 +27,7 @@
 #include "strata/core/bytes.h"
 #include "strata/core/error.h"
 #include "strata/memory/chunk_manager.h"
+#include "strata/memory/nvme_swap_store.h"
 
 namespace mem = strata::memory;
 
@@ -47,13 +51,17 @@ std::string env_or(const char* name, const std::string& fallback) {
 int run(int argc, char** argv) {
   int layers = 8, hidden = 512, steps = 3, batch = 16;
   std::string device_budget = env_or("STRATA_DEVICE_BUDGET", "24MiB");
-  std::string host_budget = env_or("STRATA_HOST_BUDGET", "1GiB");
+  std::string host_budget = env_or("STRATA_HOST_BUDGET", "40MiB");
+  std::string nvme_budget = env_or("STRATA_NVME_BUDGET", "256MiB");
+  std::string nvme_dir = env_or("STRATA_NVME_DIR", "/tmp/strata-demo-nvme");
   CLI::App app{"strata offload demo: an MLP stack run through a device tier smaller than the model"};
   app.add_option("--layers", layers, "MLP blocks")->check(CLI::PositiveNumber);
   app.add_option("--hidden", hidden, "hidden width")->check(CLI::PositiveNumber);
   app.add_option("--steps", steps, "forward passes")->check(CLI::PositiveNumber);
   app.add_option("--device-budget", device_budget, "device tier budget, e.g. 24MiB");
   app.add_option("--host-budget", host_budget, "host tier budget, e.g. 1GiB");
+  app.add_option("--nvme-budget", nvme_budget, "nvme tier budget (0: no nvme tier)");
+  app.add_option("--nvme-dir", nvme_dir, "directory of the nvme tier's files");
   CLI11_PARSE(app, argc, argv);
 
   torch::manual_seed(0);
@@ -61,7 +69,13 @@ int run(int argc, char** argv) {
   torch::nn::Sequential model = make_model(layers, hidden);
 
   mem::ChunkManagerOptions opts;
-  opts.budgets = mem::TierBudgets::from_strings(device_budget, host_budget, "0");
+  opts.budgets = mem::TierBudgets::from_strings(device_budget, host_budget, nvme_budget);
+  if (opts.budgets.nvme > 0) {
+    strata::offload::NvmeStoreOptions nvme;
+    nvme.directory = nvme_dir;
+    nvme.capacity = opts.budgets.nvme;
+    opts.nvme = std::make_shared<mem::NvmeSwapStore>(nvme);
+  }
   mem::ChunkManager mgr(std::move(opts));
   const bool on_gpu = mgr.device().kind() == strata::offload::DeviceKind::kCuda;
   const torch::Device compute_device = on_gpu ? torch::Device(torch::kCUDA) : torch::Device(torch::kCPU);
@@ -87,7 +101,8 @@ int run(int argc, char** argv) {
   fmt::print("chunks: size {} elements ({}), {} families, {} chunks in all (param, grad, adam m, v), padding {:.2f}%\n",
              reg.plan.chunk_elems, strata::format_bytes(reg.plan.chunk_elems * 4), reg.families.size(),
              mgr.num_chunks(), reg.plan.waste_percent());
-  fmt::print("budgets: device {} ({}), host {}\n", device_budget, mgr.device().name(), host_budget);
+  fmt::print("budgets: device {} ({}), host {}, nvme {}{}\n", device_budget, mgr.device().name(), host_budget,
+             nvme_budget, mgr.tier_stats(mem::Tier::kNvme).budget > 0 ? " in " + nvme_dir : "");
 
   // Move the weights into their chunks (on host), then drop the originals' use.
   for (size_t i = 0; i < params.size(); ++i) {
@@ -137,20 +152,24 @@ int run(int argc, char** argv) {
     max_diff = std::max(max_diff, (x.cpu() - reference).abs().max().item<double>());
     const mem::MoveStats after = mgr.move_stats();
     const int d = static_cast<int>(mem::Tier::kDevice), h = static_cast<int>(mem::Tier::kHost);
-    fmt::print("step {}: host->device {}, device->host {}, max |strata - torch| = {}\n", step,
-               strata::format_bytes(after.bytes[h][d] - before.bytes[h][d]),
-               strata::format_bytes(after.bytes[d][h] - before.bytes[d][h]), max_diff);
+    const int n = static_cast<int>(mem::Tier::kNvme);
+    fmt::print("step {}: host->device {}, nvme->device {}, device->host {}, host->nvme {}, max |strata - torch| = {}\n",
+               step, strata::format_bytes(after.bytes[h][d] - before.bytes[h][d]),
+               strata::format_bytes(after.bytes[n][d] - before.bytes[n][d]),
+               strata::format_bytes(after.bytes[d][h] - before.bytes[d][h]),
+               strata::format_bytes(after.bytes[h][n] - before.bytes[h][n]), max_diff);
   }
 
   bool ok = max_diff == 0.0;
-  for (mem::Tier t : {mem::Tier::kDevice, mem::Tier::kHost}) {
+  for (mem::Tier t : {mem::Tier::kDevice, mem::Tier::kHost, mem::Tier::kNvme}) {
     const mem::TierStats s = mgr.tier_stats(t);
     fmt::print("{:<7} peak {} of budget {} ({} evictions)\n", mem::tier_name(t), strata::format_bytes(s.peak),
                strata::format_bytes(s.budget), s.evictions);
     ok = ok && s.peak <= s.budget;
   }
-  fmt::print("{}: model of {} ran through a {} device tier, output bit-identical to plain LibTorch\n",
-             ok ? "OK" : "FAILED", strata::format_bytes(total * 4), device_budget);
+  fmt::print("{}: model of {} ran through a {} device tier ({} host, {} nvme), output {}\n", ok ? "OK" : "FAILED",
+             strata::format_bytes(total * 4), device_budget, host_budget, nvme_budget,
+             max_diff == 0.0 ? "bit-identical to plain LibTorch" : "DIFFERENT from plain LibTorch");
   return ok ? 0 : 1;
 }
 
