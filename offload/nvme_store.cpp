@@ -142,6 +142,17 @@ struct NvmeStore::Impl {
   bool staging_pinned = false;
   std::vector<std::pair<void*, size_t>> user_buffers;
 
+  // A fresh extent for a new copy of `key`, or a clear "store full" error.
+  Extent allocate_extent(int64_t key, size_t bytes) {
+    std::lock_guard<std::mutex> lock(mu);
+    const auto extent = alloc->allocate(round_up(bytes, kAlignment));
+    STRATA_CHECK(extent.has_value(), "NVMe store full: no free extent of ", format_bytes(bytes), " for chunk ", key,
+                 " in ", opt.directory, " (", format_bytes(alloc->used()), " of ", format_bytes(alloc->capacity()),
+                 " used, largest free extent ", format_bytes(alloc->largest_free()),
+                 "); raise the nvme budget or lower the chunk size");
+    return *extent;
+  }
+
   // One block of a streamed transfer: [offset, offset+len) of `whole`.
   IoTicket submit_raw(bool is_read, int64_t key, const Extent& whole, size_t offset, char* buf, size_t len) {
     auto op = std::make_shared<IoOp>();
@@ -460,15 +471,7 @@ IoTicket NvmeStore::write_async(int64_t key, const void* src, size_t bytes) {
   op->bytes = bytes;
   op->buf = static_cast<char*>(const_cast<void*>(src));
   op->checksum = XXH3_64bits(src, bytes);
-  {
-    std::lock_guard<std::mutex> lock(s.mu);
-    const auto extent = s.alloc->allocate(round_up(bytes, kAlignment));
-    STRATA_CHECK(extent.has_value(), "NVMe store full: no free extent of ", format_bytes(bytes), " for chunk ", key,
-                 " in ", s.opt.directory, " (", format_bytes(s.alloc->used()), " of ", format_bytes(s.alloc->capacity()),
-                 " used, largest free extent ", format_bytes(s.alloc->largest_free()),
-                 "); raise the nvme budget or lower the chunk size");
-    op->extent = *extent;
-  }
+  op->extent = s.allocate_extent(key, bytes);
   s.submit(op);
   return op;
 }
@@ -603,15 +606,7 @@ void NvmeStore::write_streamed(int64_t key, size_t bytes, const BlockSource& sou
   Impl& s = *impl_;
   std::lock_guard<std::mutex> stream(s.stream_mu);
   s.check_buffer(s.staging[0], bytes, "write", key);
-  Extent whole;
-  {
-    std::lock_guard<std::mutex> lock(s.mu);
-    const auto extent = s.alloc->allocate(round_up(bytes, kAlignment));
-    STRATA_CHECK(extent.has_value(), "NVMe store full: no free extent of ", format_bytes(bytes), " for chunk ", key,
-                 " in ", s.opt.directory, " (", format_bytes(s.alloc->used()), " of ", format_bytes(s.alloc->capacity()),
-                 " used); raise the nvme budget or lower the chunk size");
-    whole = *extent;
-  }
+  const Extent whole = s.allocate_extent(key, bytes);
   const size_t block = s.opt.block_bytes, k = s.staging.size();
   std::vector<IoTicket> slots(k);
   XXH3_state_t* state = XXH3_createState();
