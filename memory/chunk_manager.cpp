@@ -251,6 +251,7 @@ void ChunkManager::materialize(Chunk& c, Tier to, Lock& lock) {
   }
   c.ptr_ = ptr;
   c.location_ = to;
+  placed(c);
 }
 
 void ChunkManager::transfer(Chunk& c, Tier to, Lock& lock) {
@@ -310,6 +311,7 @@ void ChunkManager::transfer(Chunk& c, Tier to, Lock& lock) {
   free_payload(c);
   c.ptr_ = dst;
   c.location_ = to;
+  placed(c);
   moves_.bytes[static_cast<int>(from)][static_cast<int>(to)] += bytes;
   moves_.count[static_cast<int>(from)][static_cast<int>(to)] += 1;
   idle_.notify_all();
@@ -372,6 +374,15 @@ void ChunkManager::free_payload(Chunk& c) noexcept {
   policy_->on_leave(c.id_, tier);
 }
 
+void ChunkManager::set_placement_listener(PlacementListener listener) {
+  std::lock_guard<std::mutex> lock(mu_);
+  placement_listener_ = std::move(listener);
+}
+
+void ChunkManager::placed(const Chunk& c) const {
+  if (placement_listener_) placement_listener_(c, c.location_, c.ptr_);
+}
+
 void ChunkManager::account(Tier tier, int64_t bytes, int64_t chunks) {
   TierStats& s = stats_[static_cast<int>(tier)];
   s.used = static_cast<uint64_t>(static_cast<int64_t>(s.used) + bytes);
@@ -387,6 +398,7 @@ void ChunkManager::release(ChunkId id) {
   STRATA_CHECK(c.movable(), "cannot release ", c.describe(), ": ", c.compute_count_,
                " of its tensors are in COMPUTE");
   free_payload(c);
+  placed(c);
   idle_.notify_all();  // space freed: requests waiting for room may proceed
 }
 

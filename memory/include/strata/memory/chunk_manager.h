@@ -32,6 +32,7 @@
 
 #include <array>
 #include <condition_variable>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -129,6 +130,13 @@ class ChunkManager {
   /// Human summary of what is resident on `tier`, for messages and tools.
   std::string residency_report(Tier tier) const;
 
+  /// Called after every change of a chunk's payload (moved, materialised,
+  /// released) with the chunk, its new tier (nullopt: none) and its new
+  /// address (nullptr on nvme or none), under the manager's lock: it must not
+  /// call back into the manager. The engine re-points parameter storages here.
+  using PlacementListener = std::function<void(const Chunk&, std::optional<Tier>, void*)>;
+  void set_placement_listener(PlacementListener listener);
+
  private:
   using Lock = std::unique_lock<std::mutex>;
   Chunk& chunk_locked(ChunkId id);
@@ -145,6 +153,7 @@ class ChunkManager {
   void* allocate(Tier tier, size_t bytes);
   void free_payload(Chunk& c) noexcept;
   void account(Tier tier, int64_t bytes, int64_t chunks);
+  void placed(const Chunk& c) const;
   std::string residency_report_locked(Tier tier) const;
 
   mutable std::mutex mu_;
@@ -160,6 +169,7 @@ class ChunkManager {
   std::array<TierStats, kNumTiers> stats_{};
   std::array<int, kNumTiers> outgoing_{};  // moves in flight leaving each tier
   mutable MoveStats moves_;
+  PlacementListener placement_listener_;
   std::unique_ptr<offload::CopyEngine> copier_;  // last: its jobs use everything above
 };
 
