@@ -24,7 +24,7 @@ packages=(
   g++ cmake ninja-build ccache pkg-config
   libtorch-dev libgloo-dev libhwloc-dev liburing-dev libjemalloc-dev
   nlohmann-json3-dev libcli11-dev libfmt-dev libxxhash-dev
-  googletest libgtest-dev libgmock-dev libbenchmark-dev fio
+  googletest libgtest-dev libgmock-dev libbenchmark-dev fio fortunes-min
 )
 missing=()
 for p in "${packages[@]}"; do
@@ -60,8 +60,10 @@ configure_and_build build -DCMAKE_BUILD_TYPE=RelWithDebInfo
 if [ "$mode" = demo ]; then
   step "strata info"
   "$root/build/tools/strata" info
-  step "running the main example: examples/offload_demo"
+  step "examples/offload_demo: an MLP through device, host and NVMe tiers, checked against plain LibTorch"
   "$root/build/examples/offload_demo"
+  step "the main example: examples/gpt trains a small GPT on Debian's fortunes corpus (a few minutes)"
+  "$root/build/examples/gpt"
   exit 0
 fi
 
