@@ -3,6 +3,7 @@
 #include <c10/core/StorageImpl.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <mutex>
@@ -88,7 +89,21 @@ struct Engine::Impl : OpObserver {
     return s;
   }
 
-  void before_op(const c10::OperatorHandle&, const std::vector<int64_t>& ids) override {
+  void before_op(const c10::OperatorHandle& op, const std::vector<int64_t>& ids) override {
+    // The operator's working set on the device: every distinct chunk it touches.
+    std::vector<ChunkId> chunks;
+    uint64_t needed = 0;
+    for (int64_t id : ids) {
+      const ChunkId c = param_chunk(params[id]);
+      if (std::find(chunks.begin(), chunks.end(), c) != chunks.end()) continue;
+      chunks.push_back(c);
+      needed += mgr->chunk(c).alloc_bytes();
+    }
+    const uint64_t budget = mgr->tier_stats(Tier::kDevice).budget;
+    STRATA_CHECK(needed <= budget, "operator ", op.schema().name(), " on parameter '", params[ids.front()].name,
+                 "' needs ", format_bytes(needed), " of parameter chunks on the device tier at once (", chunks.size(),
+                 " chunks), more than the device budget of ", format_bytes(budget),
+                 "; raise the device budget or lower the chunk size");
     std::vector<std::pair<ChunkId, size_t>> pinned;
     try {
       for (int64_t id : ids) {
