@@ -91,11 +91,8 @@ int run(int argc, char** argv) {
   }
   mem::FamilySpec family;
   family.optim_states = 2;
-  // Search chunk sizes up to a quarter of the device budget: a layer's chunks
-  // and the ones being evicted must fit on the device together.
-  const int64_t cap = std::max<int64_t>(mgr.tier_stats(mem::Tier::kDevice).budget / 4 / sizeof(float), 1);
-  const mem::ChunkSizeSearch search{std::min<int64_t>(1 << 16, cap), std::min<int64_t>(1 << 22, cap), 1 << 14, 1};
-  const mem::Registration reg = mgr.register_tensors(specs, family, search);
+  // The manager caps the search at a quarter of the device budget.
+  const mem::Registration reg = mgr.register_tensors(specs, family, mem::ChunkSizeSearch{1 << 16, 1 << 22, 1 << 14, 1});
   fmt::print("model: {} blocks of {}->{}->{}, {} parameters ({} fp32)\n", layers, hidden, 4 * hidden, hidden, total,
              strata::format_bytes(total * 4));
   fmt::print("chunks: size {} elements ({}), {} families, {} chunks in all (param, grad, adam m, v), padding {:.2f}%\n",

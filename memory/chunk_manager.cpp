@@ -84,6 +84,12 @@ Registration ChunkManager::register_tensors(const std::vector<TensorSpec>& tenso
   const std::vector<int64_t> numels = numels_of(tensors);
   ChunkSizeSearch s = search;
   s.world_size = world_size_;
+  if (budgets_.device > 0) {
+    // See register_tensors(): a searched chunk is at most a quarter of the device budget (in fp32 bytes).
+    const int64_t cap = std::max<int64_t>(static_cast<int64_t>(budgets_.device / 4 / sizeof(float)), 1024);
+    s.max_elems = std::min(s.max_elems, cap);
+    s.min_elems = std::min(s.min_elems, s.max_elems);
+  }
   const ChunkSizePlan plan = search_chunk_size(numels, s);
   std::vector<ChunkLayout> layouts = pack_tensors(numels, plan.chunk_elems, world_size_);
   std::lock_guard<std::mutex> lock(mu_);

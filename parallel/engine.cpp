@@ -275,10 +275,8 @@ Engine::Engine(torch::nn::Module& module, AdamWConfig optimizer, EngineOptions o
   if (options.chunk_elems > 0) {
     reg = s.mgr->register_tensors(specs, spec, options.chunk_elems);
   } else {
-    const int64_t cap = std::max<int64_t>(options.budgets.device / 4 / sizeof(float), 1024);
-    reg = s.mgr->register_tensors(specs, spec,
-                                  memory::ChunkSizeSearch{std::min<int64_t>(1 << 16, cap), std::min<int64_t>(64 << 20, cap),
-                                                          std::max<int64_t>(cap / 64, 1), 1});
+    // Least padding in [64 Ki, 64 Mi] elements; the manager caps it at a quarter of the device budget.
+    reg = s.mgr->register_tensors(specs, spec, memory::ChunkSizeSearch{1 << 16, 64 << 20, 1 << 14, 1});
   }
   s.families = reg.families;
   for (size_t i = 0; i < s.params.size(); ++i) {

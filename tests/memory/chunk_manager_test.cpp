@@ -103,6 +103,18 @@ TEST(ChunkManager, AutoChunkSizeUsesTheSearch) {
   EXPECT_EQ(reg.families.size(), 3u);
 }
 
+TEST(ChunkManager, SearchedChunksAreCappedAtAQuarterOfTheDeviceBudget) {
+  // The search asks for 8192..16384 elements; a 64 KiB device budget allows at
+  // most 16 KiB = 4096 fp32 elements per chunk, a 1 MiB one does not limit it.
+  const ChunkSizeSearch search{8192, 16384, 8192, 1};
+  ChunkManager roomy(options(1 << 20, 1 << 20));
+  EXPECT_EQ(roomy.register_tensors({{"a", 8192}, {"b", 8192}}, FamilySpec{}, search).plan.chunk_elems, 8192);
+  ChunkManager tight(options(64 << 10, 1 << 20));
+  const Registration reg = tight.register_tensors({{"a", 8192}, {"b", 8192}}, FamilySpec{}, search);
+  EXPECT_EQ(reg.plan.chunk_elems, 4096);
+  for (FamilyId f : reg.families) EXPECT_NO_THROW(tight.access(tight.family(f).param, Tier::kDevice));
+}
+
 TEST(ChunkManager, EveryBufferIsAligned) {
     TestNvme nvme(64 * kPage);
   ChunkManager mgr(options(8 * kPage, 8 * kPage, 64 * kPage, nvme.store));

@@ -91,7 +91,10 @@ class ChunkManager {
   /// Packs `tensors` into families of `chunk_elems`-element chunks (Note [Chunk packing]).
   Registration register_tensors(const std::vector<TensorSpec>& tensors, const FamilySpec& spec,
                                 int64_t chunk_elems);
-  /// Same, with the chunk size chosen by search_chunk_size over `search`.
+  /// Same, with the chunk size chosen by search_chunk_size over `search`,
+  /// whose range is capped at a quarter of the device budget (fp32 elements,
+  /// at least 1024): an operator's chunks and the ones being evicted must fit
+  /// on the device together, whatever size packs with the least padding.
   Registration register_tensors(const std::vector<TensorSpec>& tensors, const FamilySpec& spec,
                                 const ChunkSizeSearch& search);
 

@@ -39,7 +39,7 @@ struct AdamWConfig {
 struct EngineOptions {
   memory::TierBudgets budgets;
   std::string nvme_dir;        // needed when budgets.nvme > 0
-  int64_t chunk_elems = 0;     // 0: least padding, at most a quarter of the device budget
+  int64_t chunk_elems = 0;     // 0: least padding, at most a quarter of the device budget (ChunkManager)
   double clip_norm = 0.0;      // 0: no clipping
   int grad_accumulation = 1;   // micro-steps per optimizer step; gradients are averaged
 };
