@@ -109,6 +109,15 @@ void make_private_dir(const std::string& dir) {
 
 std::atomic<int> g_store_counter{0};
 
+IoTicket make_op(bool is_read, int64_t key, void* buf, size_t bytes) {
+  auto op = std::make_shared<IoOp>();
+  op->is_read = is_read;
+  op->key = key;
+  op->bytes = bytes;
+  op->buf = static_cast<char*>(buf);
+  return op;
+}
+
 }  // namespace
 
 struct NvmeStore::Impl {
@@ -155,12 +164,8 @@ struct NvmeStore::Impl {
 
   // One block of a streamed transfer: [offset, offset+len) of `whole`.
   IoTicket submit_raw(bool is_read, int64_t key, const Extent& whole, size_t offset, char* buf, size_t len) {
-    auto op = std::make_shared<IoOp>();
-    op->is_read = is_read;
+    auto op = make_op(is_read, key, buf, len);
     op->raw = true;
-    op->key = key;
-    op->bytes = len;
-    op->buf = buf;
     op->extent = Extent{whole.file, whole.offset + offset, len};
     submit(op);
     return op;
@@ -465,11 +470,7 @@ NvmeStore::~NvmeStore() = default;
 IoTicket NvmeStore::write_async(int64_t key, const void* src, size_t bytes) {
   Impl& s = *impl_;
   s.check_buffer(src, bytes, "write", key);
-  auto op = std::make_shared<IoOp>();
-  op->is_read = false;
-  op->key = key;
-  op->bytes = bytes;
-  op->buf = static_cast<char*>(const_cast<void*>(src));
+  auto op = make_op(false, key, const_cast<void*>(src), bytes);
   op->checksum = XXH3_64bits(src, bytes);
   op->extent = s.allocate_extent(key, bytes);
   s.submit(op);
@@ -479,11 +480,7 @@ IoTicket NvmeStore::write_async(int64_t key, const void* src, size_t bytes) {
 IoTicket NvmeStore::read_async(int64_t key, void* dst, size_t bytes) {
   Impl& s = *impl_;
   s.check_buffer(dst, bytes, "read", key);
-  auto op = std::make_shared<IoOp>();
-  op->is_read = true;
-  op->key = key;
-  op->bytes = bytes;
-  op->buf = static_cast<char*>(dst);
+  auto op = make_op(true, key, dst, bytes);
   {
     std::lock_guard<std::mutex> lock(s.mu);
     const auto it = s.records.find(key);
