@@ -16,7 +16,7 @@ constexpr c10::DispatchKey kHookKey = c10::DispatchKey::TESTING_ONLY_GenericMode
 
 std::atomic<OpHook*> g_active{nullptr};
 
-void add_id(const OpHook& hook, const at::Tensor& t, std::vector<int64_t>& ids,
+void add_id(const at::Tensor& t, std::vector<int64_t>& ids,
             const std::unordered_map<const c10::StorageImpl*, int64_t>& map) {
   if (!t.defined() || !t.has_storage()) return;
   const auto it = map.find(t.storage().unsafeGetStorageImpl());
@@ -80,12 +80,12 @@ std::vector<int64_t> OpHook::managed_arguments(const c10::OperatorHandle& op,
   for (size_t i = stack.size() - std::min(n, stack.size()); i < stack.size(); ++i) {
     const c10::IValue& v = stack[i];
     if (v.isTensor()) {
-      add_id(*this, v.toTensor(), ids, ids_);
+      add_id(v.toTensor(), ids, ids_);
     } else if (v.isTensorList()) {
-      for (const at::Tensor& t : v.toTensorList()) add_id(*this, t, ids, ids_);
+      for (const at::Tensor& t : v.toTensorList()) add_id(t, ids, ids_);
     } else if (v.isList()) {
       for (const c10::IValue& e : v.toListRef()) {
-        if (e.isTensor()) add_id(*this, e.toTensor(), ids, ids_);
+        if (e.isTensor()) add_id(e.toTensor(), ids, ids_);
       }
     }
   }
