@@ -1,6 +1,9 @@
 #include "strata/parallel/engine.h"
 
 #include <c10/core/StorageImpl.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -12,6 +15,8 @@
 
 #include "strata/core/bytes.h"
 #include "strata/core/error.h"
+#include "strata/core/log.h"
+#include "strata/kernels/optim.h"
 #include "strata/memory/nvme_swap_store.h"
 #include "strata/parallel/op_hook.h"
 
@@ -20,6 +25,40 @@ namespace strata::parallel {
 using memory::ChunkId;
 using memory::Tier;
 using memory::TensorState;
+
+namespace {
+
+torch::ScalarType scalar_type_of(DType d) {
+  switch (d) {
+    case DType::kFloat32: return torch::kFloat32;
+    case DType::kBFloat16: return torch::kBFloat16;
+    case DType::kFloat16: return torch::kFloat16;
+  }
+  STRATA_FAIL("unknown dtype");
+}
+
+// Note [Gradients go straight to their chunk]
+// A tensor hook (Tensor::register_hook) cannot drop a gradient: an undefined
+// return value means "unchanged", so AccumulateGrad would still store it in
+// .grad and every parameter's gradient would exist twice until backward ends.
+// Instead a pre-hook sits on the parameter's AccumulateGrad node (the same
+// node in LibTorch 1.13 and 2.x, which both run Node::pre_hooks before
+// apply): it adds the gradient into the gradient chunk and returns an
+// undefined gradient, which AccumulateGrad ignores. The engine keeps the
+// node alive, since the parameter itself only holds it weakly.
+class GradToChunk final : public torch::autograd::FunctionPreHook {
+ public:
+  explicit GradToChunk(std::function<void(const torch::Tensor&)> sink) : sink_(std::move(sink)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
+    if (!grads.empty() && grads[0].defined()) sink_(grads[0]);
+    return {torch::Tensor()};
+  }
+
+ private:
+  std::function<void(const torch::Tensor&)> sink_;
+};
+
+}  // namespace
 
 // Note [Parameter storages follow their chunk]
 // At attach every trainable parameter gets a StorageImpl of its own with a
@@ -30,12 +69,22 @@ using memory::TensorState;
 // the parameter, including the views autograd saved for backward (linear
 // saves weight.t()), follows the chunk too: the hook sees them in backward by
 // their storage and makes the chunk resident before the operator reads them.
+//
+// Note [The step pipeline]
+// The step visits chunk families in order. Before updating family i it starts
+// (on the chunk manager's copy engine) the reads of family i+1's chunks that
+// are not on host; after updating family i it starts the write-back to NVMe of
+// its optimizer state when that state lives there. So while the kernel updates
+// family i, family i+1 is read and family i-1 written: the optimizer waits on
+// NVMe only when the disk is slower than the update. Budgets still hold: the
+// reads and write-backs are ordinary chunk moves, evicting as they need.
 struct Engine::Impl : OpObserver {
   struct Param {
     std::string name;
     torch::Tensor tensor;
     c10::intrusive_ptr<c10::StorageImpl> storage;
     torch::Device original_device{torch::kCPU};
+    std::shared_ptr<torch::autograd::Node> accumulator;
     memory::FamilyId family = 0;
     size_t slot = 0;
     int64_t offset = 0;
@@ -43,19 +92,31 @@ struct Engine::Impl : OpObserver {
     int64_t steps = 0;
     bool has_grad = false;
   };
+  // A frozen parameter or floating buffer cast to the compute precision.
+  struct Cast {
+    torch::Tensor tensor;
+    torch::ScalarType original;
+  };
 
   AdamWConfig opt;
   EngineOptions options;
+  torch::ScalarType compute = torch::kFloat32;
   std::unique_ptr<memory::ChunkManager> mgr;
   std::vector<Param> params;
+  std::vector<Cast> casts;
   std::unordered_map<ChunkId, std::vector<size_t>> params_of_chunk;  // param chunks only
   std::vector<memory::FamilyId> families;
+  std::vector<bool> optim_on_nvme;  // parallel to families
   std::unique_ptr<OpHook> hook;
   torch::Device device{torch::kCPU};
   int micro_steps = 0;
+  double scale = 1.0;  // the loss scale
+  int clean_steps = 0;
+  int64_t skipped = 0;
   std::mutex grad_mu;
 
   ChunkId param_chunk(const Param& p) const { return mgr->family(p.family).param; }
+  size_t elem_size() const { return dtype_size(options.precision); }
 
   // See Note [Parameter storages follow their chunk]. Runs under the manager's lock.
   void on_placed(const memory::Chunk& c, std::optional<Tier> tier, void* ptr) {
@@ -64,7 +125,7 @@ struct Engine::Impl : OpObserver {
     for (size_t i : it->second) {
       Param& p = params[i];
       if (!p.storage) continue;  // still being attached
-      void* at = tier == Tier::kDevice ? static_cast<float*>(ptr) + p.offset : nullptr;
+      void* at = tier == Tier::kDevice ? static_cast<char*>(ptr) + p.offset * elem_size() : nullptr;
       p.storage->set_data_ptr_noswap(c10::DataPtr(at, device));
     }
   }
@@ -122,99 +183,218 @@ struct Engine::Impl : OpObserver {
     for (int64_t id : ids) mgr->transition(param_chunk(params[id]), params[id].slot, TensorState::kHold);
   }
 
-  // Adds a gradient into the parameter's slot of its gradient chunk.
+  // Adds a gradient into the parameter's slot of its gradient chunk (Note
+  // [Gradients go straight to their chunk]).
   void accumulate_grad(size_t index, const torch::Tensor& grad) {
     std::lock_guard<std::mutex> lock(grad_mu);
     Param& p = params[index];
     const ChunkId gc = mgr->family(p.family).grad;
     pin(gc, Tier::kHost, {p.slot});
-    const torch::Tensor g = grad.detach().to(torch::kCPU, torch::kFloat32).contiguous();
-    float* dst = static_cast<float*>(mgr->data(gc)) + p.offset;
-    const float* src = g.data_ptr<float>();
-    for (int64_t k = 0; k < p.numel; ++k) dst[k] += src[k];
+    try {
+      torch::NoGradGuard no_grad;
+      torch::Tensor dst = torch::from_blob(static_cast<char*>(mgr->data(gc)) + p.offset * elem_size(), {p.numel},
+                                           torch::TensorOptions().dtype(compute));
+      dst.add_(grad.detach().to(torch::kCPU, compute).reshape({p.numel}));
+    } catch (...) {
+      unpin(gc, {p.slot});
+      throw;
+    }
     unpin(gc, {p.slot});
     p.has_grad = true;
   }
 
+  // Gradient chunks are dropped, not zeroed: the next backward materialises
+  // them zero-filled on host, and a chunk evicted to NVMe is never read back
+  // only to be cleared.
   void zero_grads() {
-    for (memory::FamilyId f : families) {
-      const ChunkId gc = mgr->family(f).grad;
-      if (!mgr->chunk(gc).location()) continue;  // never materialised: zero already
-      const auto slots = all_slots(gc);
-      pin(gc, Tier::kHost, slots);
-      std::memset(mgr->data(gc), 0, mgr->chunk(gc).payload_bytes());
-      unpin(gc, slots);
-    }
+    for (memory::FamilyId f : families) mgr->release(mgr->family(f).grad);
     for (Param& p : params) p.has_grad = false;
   }
 
-  double step(double& grad_norm) {
-    const float average = 1.0f / static_cast<float>(options.grad_accumulation);
-    kernels::GradStats total;
-    for (memory::FamilyId f : families) {
-      const ChunkId gc = mgr->family(f).grad;
-      if (!mgr->chunk(gc).location()) continue;
-      const auto slots = all_slots(gc);
-      pin(gc, Tier::kHost, slots);
-      total.merge(kernels::grad_stats(mgr->data(gc), DType::kFloat32, mgr->chunk(gc).capacity_elems()));
-      unpin(gc, slots);
+  std::vector<ChunkId> step_members(memory::FamilyId f) const {
+    const memory::ChunkFamily& fam = mgr->family(f);
+    std::vector<ChunkId> m = {fam.param, fam.grad, fam.optim_states[0], fam.optim_states[1]};
+    if (fam.master) m.push_back(*fam.master);
+    return m;
+  }
+  std::vector<ChunkId> optim_members(memory::FamilyId f) const {
+    const memory::ChunkFamily& fam = mgr->family(f);
+    std::vector<ChunkId> m = {fam.optim_states[0], fam.optim_states[1]};
+    if (fam.master) m.push_back(*fam.master);
+    return m;
+  }
+
+  // Starts reads to host of the chunks not there yet (Note [The step pipeline]).
+  void read_ahead(const std::vector<ChunkId>& chunks, std::vector<offload::CopyTicket>& tickets) {
+    for (ChunkId c : chunks) {
+      const auto at = mgr->chunk(c).location();
+      if (at && *at != Tier::kHost) tickets.push_back(mgr->prefetch(c, Tier::kHost));
+      if (!at && mgr->chunk(c).role() != memory::ChunkRole::kGrad) tickets.push_back(mgr->prefetch(c, Tier::kHost));
     }
-    grad_norm = std::sqrt(total.sum_sq) * average;
-    STRATA_CHECK(total.finite, "gradients hold inf or nan in an fp32 run; the step is skipped");
-    float scale = average;
-    if (options.clip_norm > 0) scale *= kernels::clip_coefficient(grad_norm, options.clip_norm);
-    for (memory::FamilyId f : families) {
-      const memory::ChunkFamily& fam = mgr->family(f);
-      const std::vector<ChunkId> members = {fam.param, fam.grad, fam.optim_states[0], fam.optim_states[1]};
-      const auto slots = all_slots(fam.param);
-      std::vector<ChunkId> pinned;
+  }
+  // A failed read-ahead left the chunk where it was; the access that follows
+  // moves it again and reports the error itself.
+  static void settle(std::vector<offload::CopyTicket>& tickets) {
+    for (auto& t : tickets) {
       try {
-        for (ChunkId c : members) {
-          pin(c, Tier::kHost, slots);
-          pinned.push_back(c);
-        }
-        float* w = static_cast<float*>(mgr->data(fam.param));
-        const float* g = static_cast<const float*>(mgr->data(fam.grad));
-        float* m = static_cast<float*>(mgr->data(fam.optim_states[0]));
-        float* v = static_cast<float*>(mgr->data(fam.optim_states[1]));
-        for (size_t i : params_of_chunk[fam.param]) {
-          Param& p = params[i];
-          if (!p.has_grad) continue;  // unused this step: no update, as torch.optim
-          kernels::AdamParams ap;
-          ap.lr = opt.lr;
-          ap.beta1 = opt.beta1;
-          ap.beta2 = opt.beta2;
-          ap.eps = opt.eps;
-          ap.weight_decay = opt.weight_decay;
-          ap.step = ++p.steps;
-          ap.grad_scale = scale;
-          ap.grads_known_finite = true;
-          kernels::OptimSpans s;
-          s.n = p.numel;
-          s.master = w + p.offset;
-          s.grad = g + p.offset;
-          s.state0 = m + p.offset;
-          s.state1 = v + p.offset;
-          kernels::adam_step(ap, s);
-        }
-      } catch (...) {
-        for (ChunkId c : pinned) unpin(c, slots);
-        throw;
+        offload::CopyEngine::wait(t);
+      } catch (const std::exception& e) {
+        STRATA_LOG(kDebug, "read-ahead failed, the access retries it: {}", e.what());
       }
-      for (ChunkId c : pinned) unpin(c, slots);
     }
+    tickets.clear();
+  }
+
+  // Global grad norm and overflow check: one read of every gradient chunk.
+  kernels::GradStats grad_stats() {
+    kernels::GradStats total;
+    std::vector<offload::CopyTicket> ahead;
+    for (size_t i = 0; i < families.size(); ++i) {
+      const ChunkId gc = mgr->family(families[i]).grad;
+      if (i + 1 < families.size()) read_ahead({mgr->family(families[i + 1]).grad}, ahead);
+      if (mgr->chunk(gc).location()) {  // never materialised: no gradient, zero
+        const auto slots = all_slots(gc);
+        pin(gc, Tier::kHost, slots);
+        total.merge(kernels::grad_stats(mgr->data(gc), options.precision, mgr->chunk(gc).capacity_elems()));
+        unpin(gc, slots);
+      }
+    }
+    settle(ahead);
+    return total;
+  }
+
+  void update_family(size_t index, float grad_scale) {
+    const memory::FamilyId f = families[index];
+    const memory::ChunkFamily& fam = mgr->family(f);
+    const std::vector<ChunkId> members = step_members(f);
+    const auto slots = all_slots(fam.param);
+    std::vector<ChunkId> pinned;
+    try {
+      for (ChunkId c : members) {
+        pin(c, Tier::kHost, slots);
+        pinned.push_back(c);
+      }
+      char* param = static_cast<char*>(mgr->data(fam.param));
+      float* master = static_cast<float*>(mgr->data(fam.master ? *fam.master : fam.param));
+      const char* g = static_cast<const char*>(mgr->data(fam.grad));
+      float* m = static_cast<float*>(mgr->data(fam.optim_states[0]));
+      float* v = static_cast<float*>(mgr->data(fam.optim_states[1]));
+      for (size_t i : params_of_chunk[fam.param]) {
+        Param& p = params[i];
+        if (!p.has_grad) continue;  // unused this step: no update, as torch.optim
+        kernels::AdamParams ap;
+        ap.lr = opt.lr;
+        ap.beta1 = opt.beta1;
+        ap.beta2 = opt.beta2;
+        ap.eps = opt.eps;
+        ap.weight_decay = opt.weight_decay;
+        ap.step = ++p.steps;
+        ap.grad_scale = grad_scale;
+        ap.grads_known_finite = true;
+        kernels::OptimSpans s;
+        s.n = p.numel;
+        s.master = master + p.offset;
+        s.grad = g + p.offset * elem_size();
+        s.grad_dtype = options.precision;
+        s.state0 = m + p.offset;
+        s.state1 = v + p.offset;
+        if (fam.master) {
+          s.param_copy = param + p.offset * elem_size();
+          s.param_dtype = options.precision;
+        }
+        kernels::adam_step(ap, s);
+      }
+    } catch (...) {
+      for (ChunkId c : pinned) unpin(c, slots);
+      throw;
+    }
+    for (ChunkId c : pinned) unpin(c, slots);
+  }
+
+  // Returns false when the step was skipped for overflow.
+  bool step(double& grad_norm) {
+    const double average = 1.0 / options.grad_accumulation;
+    const kernels::GradStats total = grad_stats();
+    if (!total.finite) {
+      skipped += 1;
+      clean_steps = 0;
+      if (options.precision == DType::kFloat16) {
+        const double next = std::max(scale * options.loss_scale.backoff, options.loss_scale.min_scale);
+        STRATA_LOG(kInfo, "fp16 gradients overflowed at loss scale {}: step skipped, scale now {}", scale, next);
+        scale = next;
+      } else {
+        STRATA_LOG(kWarn, "gradients hold inf or nan in a {} run: step skipped", dtype_name(options.precision));
+      }
+      zero_grads();
+      return false;
+    }
+    grad_norm = std::sqrt(total.sum_sq) * average / scale;
+    double multiplier = average / scale;
+    if (options.clip_norm > 0) multiplier *= kernels::clip_coefficient(grad_norm, options.clip_norm);
+
+    std::vector<offload::CopyTicket> ahead, behind;
+    try {
+      for (size_t i = 0; i < families.size(); ++i) {
+        if (i + 1 < families.size()) read_ahead(step_members(families[i + 1]), ahead);
+        update_family(i, static_cast<float>(multiplier));
+        if (optim_on_nvme[i]) {
+          for (ChunkId c : optim_members(families[i])) behind.push_back(mgr->prefetch(c, Tier::kNvme));
+        }
+      }
+    } catch (...) {
+      settle(ahead);
+      for (auto& t : behind) t.wait();
+      throw;
+    }
+    settle(ahead);
+    for (auto& t : behind) offload::CopyEngine::wait(t);  // a failed write-back is the step's error
     zero_grads();
-    return grad_norm;
+    if (options.precision == DType::kFloat16 && ++clean_steps >= options.loss_scale.growth_interval) {
+      scale *= options.loss_scale.growth_factor;
+      clean_steps = 0;
+    }
+    return true;
+  }
+
+  void place_optimizer_state() {
+    optim_on_nvme.assign(families.size(), false);
+    if (options.budgets.nvme == 0) return;
+    const size_t n = families.size();
+    size_t on_nvme = 0;
+    if (options.nvme_optim_fraction >= 0) {
+      on_nvme = static_cast<size_t>(std::llround(options.nvme_optim_fraction * static_cast<double>(n)));
+    } else {
+      // Auto: keep state on host while it fits in half the host budget.
+      uint64_t host = 0;
+      size_t on_host = 0;
+      for (memory::FamilyId f : families) {
+        for (ChunkId c : optim_members(f)) host += mgr->chunk(c).alloc_bytes();
+        if (host > options.budgets.host / 2) break;
+        on_host += 1;
+      }
+      on_nvme = n - on_host;
+    }
+    for (size_t i = n - std::min(on_nvme, n); i < n; ++i) optim_on_nvme[i] = true;
   }
 
   void detach_all() noexcept {
     try {
+      for (Param& p : params) {
+        if (!p.accumulator) continue;
+        auto& hooks = p.accumulator->pre_hooks();
+        hooks.erase(std::remove_if(hooks.begin(), hooks.end(),
+                                   [](const auto& h) { return dynamic_cast<GradToChunk*>(h.get()) != nullptr; }),
+                    hooks.end());
+        p.accumulator.reset();
+      }
       if (hook) {
         for (Param& p : params) hook->untrack(p.tensor);
       }
+      // The fp32 values: the master chunk in mixed precision, else the parameter chunk.
       std::unordered_map<ChunkId, std::vector<float>> copies;
       for (Param& p : params) {
-        const ChunkId c = param_chunk(p);
+        const memory::ChunkFamily& fam = mgr->family(p.family);
+        const ChunkId c = fam.master ? *fam.master : fam.param;
         auto& data = copies[c];
         if (data.empty()) {
           data.resize(mgr->chunk(c).capacity_elems());
@@ -226,6 +406,8 @@ struct Engine::Impl : OpObserver {
                                   .to(p.original_device);
         p.tensor.set_data(owned);
       }
+      torch::NoGradGuard no_grad;
+      for (Cast& c : casts) c.tensor.set_data(c.tensor.to(c.original));
     } catch (const std::exception& e) {
       std::fprintf(stderr, "[strata error] could not give parameters their memory back: %s\n", e.what());
     }
@@ -235,10 +417,11 @@ struct Engine::Impl : OpObserver {
 Engine::Engine(torch::nn::Module& module, AdamWConfig optimizer, EngineOptions options)
     : impl_(std::make_unique<Impl>()) {
   Impl& s = *impl_;
+  options.validate();
   s.opt = optimizer;
   s.options = options;
-  STRATA_CHECK(options.grad_accumulation >= 1, "gradient accumulation steps must be at least 1, got ",
-               options.grad_accumulation);
+  s.compute = scalar_type_of(options.precision);
+  s.scale = options.precision == DType::kFloat16 ? options.loss_scale.initial : 1.0;
   memory::ChunkManagerOptions mo;
   mo.budgets = options.budgets;
   if (options.budgets.nvme > 0) {
@@ -255,9 +438,15 @@ Engine::Engine(torch::nn::Module& module, AdamWConfig optimizer, EngineOptions o
   std::vector<memory::TensorSpec> specs;
   for (const auto& item : module.named_parameters(/*recurse=*/true)) {
     const torch::Tensor& t = item.value();
-    if (!t.requires_grad() || !seen.insert(t.unsafeGetTensorImpl()).second) continue;
+    if (!seen.insert(t.unsafeGetTensorImpl()).second) continue;
+    if (!t.requires_grad()) {
+      // Frozen: stays in its own memory, in the compute precision.
+      if (t.is_floating_point() && t.scalar_type() != s.compute) s.casts.push_back({t, t.scalar_type()});
+      continue;
+    }
     STRATA_CHECK(t.scalar_type() == torch::kFloat32, "parameter ", item.key(), " is ", t.scalar_type(),
-                 "; this engine slice trains fp32 parameters (mixed precision comes with the engine issue)");
+                 "; attach a module with fp32 parameters and choose the compute precision with "
+                 "EngineOptions::precision (fp32, bf16 or fp16)");
     STRATA_CHECK(t.is_contiguous(), "parameter ", item.key(), " is not contiguous");
     Impl::Param p;
     p.name = item.key();
@@ -268,8 +457,12 @@ Engine::Engine(torch::nn::Module& module, AdamWConfig optimizer, EngineOptions o
     specs.push_back({item.key(), t.numel()});
   }
   STRATA_CHECK(!s.params.empty(), "the module has no trainable parameters");
+  for (const auto& b : module.buffers(/*recurse=*/true)) {
+    if (b.is_floating_point() && b.scalar_type() != s.compute) s.casts.push_back({b, b.scalar_type()});
+  }
 
   memory::FamilySpec spec;
+  spec.param_dtype = options.precision;
   spec.optim_states = 2;
   memory::Registration reg;
   if (options.chunk_elems > 0) {
@@ -279,6 +472,7 @@ Engine::Engine(torch::nn::Module& module, AdamWConfig optimizer, EngineOptions o
     reg = s.mgr->register_tensors(specs, spec, memory::ChunkSizeSearch{1 << 16, 64 << 20, 1 << 14, 1});
   }
   s.families = reg.families;
+  s.place_optimizer_state();
   for (size_t i = 0; i < s.params.size(); ++i) {
     Impl::Param& p = s.params[i];
     p.family = reg.tensors[i].family;
@@ -289,8 +483,9 @@ Engine::Engine(torch::nn::Module& module, AdamWConfig optimizer, EngineOptions o
   s.mgr->set_placement_listener(
       [&s](const memory::Chunk& c, std::optional<Tier> tier, void* ptr) { s.on_placed(c, tier, ptr); });
 
-  // Copy each parameter into its slot (on host), then give the tensor a
-  // storage that follows the chunk; the original storage is released.
+  // Copy each parameter into its slots (on host): the master in fp32, the
+  // parameter chunk in the compute precision. Then give the tensor a storage
+  // that follows the chunk; the original storage is released.
   torch::NoGradGuard no_grad;
   for (memory::FamilyId f : s.families) {
     const memory::ChunkFamily& fam = s.mgr->family(f);
@@ -298,28 +493,39 @@ Engine::Engine(torch::nn::Module& module, AdamWConfig optimizer, EngineOptions o
       for (size_t slot = 0; slot < s.mgr->chunk(c).num_tensors(); ++slot) s.mgr->transition(c, slot, TensorState::kHold);
     }
   }
+  const size_t esize = s.elem_size();
   for (size_t i = 0; i < s.params.size(); ++i) {
     Impl::Param& p = s.params[i];
-    const ChunkId c = s.param_chunk(p);
-    s.pin(c, Tier::kHost, {p.slot});
+    const memory::ChunkFamily& fam = s.mgr->family(p.family);
     const torch::Tensor src = p.tensor.detach().to(torch::kCPU).contiguous();
-    std::memcpy(static_cast<float*>(s.mgr->data(c)) + p.offset, src.data_ptr<float>(), p.numel * sizeof(float));
-    s.unpin(c, {p.slot});
+    s.pin(fam.param, Tier::kHost, {p.slot});
+    kernels::cast(src.data_ptr<float>(), DType::kFloat32, static_cast<char*>(s.mgr->data(fam.param)) + p.offset * esize,
+                  options.precision, p.numel);
+    s.unpin(fam.param, {p.slot});
+    if (fam.master) {
+      s.pin(*fam.master, Tier::kHost, {p.slot});
+      std::memcpy(static_cast<float*>(s.mgr->data(*fam.master)) + p.offset, src.data_ptr<float>(),
+                  p.numel * sizeof(float));
+      s.unpin(*fam.master, {p.slot});
+    }
     p.storage = c10::make_intrusive<c10::StorageImpl>(c10::StorageImpl::use_byte_size_t(),
-                                                      static_cast<size_t>(p.numel) * sizeof(float),
+                                                      static_cast<size_t>(p.numel) * esize,
                                                       c10::DataPtr(nullptr, s.device), nullptr, false);
-    torch::Tensor view = torch::empty({0}, torch::TensorOptions().dtype(torch::kFloat32).device(s.device))
+    torch::Tensor view = torch::empty({0}, torch::TensorOptions().dtype(s.compute).device(s.device))
                              .set_(c10::Storage(p.storage), 0, p.tensor.sizes(), p.tensor.strides());
     p.tensor.set_data(view);
   }
+  for (Impl::Cast& c : s.casts) c.tensor.set_data(c.tensor.to(s.compute));
   s.hook = std::make_unique<OpHook>(s);
   for (size_t i = 0; i < s.params.size(); ++i) {
-    s.hook->track(s.params[i].tensor, static_cast<int64_t>(i));
+    Impl::Param& p = s.params[i];
+    s.hook->track(p.tensor, static_cast<int64_t>(i));
+    // After set_data: a change of dtype gives the parameter a new accumulator.
+    p.accumulator = torch::autograd::impl::grad_accumulator(p.tensor);
+    STRATA_CHECK(p.accumulator != nullptr, "parameter ", p.name, " has no gradient accumulator");
     Impl* self = &s;
-    s.params[i].tensor.register_hook([self, i](torch::Tensor grad) {
-      self->accumulate_grad(i, grad);
-      return grad;
-    });
+    p.accumulator->add_pre_hook(
+        std::make_unique<GradToChunk>([self, i](const torch::Tensor& grad) { self->accumulate_grad(i, grad); }));
   }
 }
 
@@ -330,18 +536,21 @@ Engine::~Engine() {
 StepResult Engine::train_step(const std::function<torch::Tensor()>& loss_fn) {
   Impl& s = *impl_;
   StepResult r;
+  r.loss_scale = s.scale;
   {
     OpHook::Scope scope(*s.hook);
     torch::Tensor loss = loss_fn();
+    STRATA_CHECK(loss.defined() && loss.numel() == 1, "train_step's closure must return the loss as one number");
     r.loss = loss.item<double>();
-    loss.backward();
-  }
-  for (auto& p : s.params) {
-    if (p.tensor.grad().defined()) p.tensor.mutable_grad().reset();  // strata holds the gradient in its chunk
+    if (s.scale != 1.0) {
+      (loss.to(torch::kFloat32) * s.scale).backward();
+    } else {
+      loss.backward();
+    }
   }
   if (++s.micro_steps % s.options.grad_accumulation == 0) {
-    s.step(r.grad_norm);
-    r.stepped = true;
+    r.stepped = s.step(r.grad_norm);
+    r.overflow = !r.stepped;
   }
   return r;
 }
@@ -358,7 +567,16 @@ void Engine::zero_grad() {
   impl_->micro_steps = 0;
 }
 
+torch::ScalarType Engine::compute_dtype() const { return impl_->compute; }
+double Engine::loss_scale() const { return impl_->scale; }
+int64_t Engine::skipped_steps() const { return impl_->skipped; }
 memory::ChunkManager& Engine::chunks() { return *impl_->mgr; }
+memory::TierStats Engine::tier_stats(memory::Tier tier) const { return impl_->mgr->tier_stats(tier); }
+memory::MoveStats Engine::move_stats() const { return impl_->mgr->move_stats(); }
+size_t Engine::num_families() const { return impl_->families.size(); }
+size_t Engine::nvme_optim_families() const {
+  return static_cast<size_t>(std::count(impl_->optim_on_nvme.begin(), impl_->optim_on_nvme.end(), true));
+}
 
 int64_t Engine::managed_parameters() const {
   int64_t n = 0;
@@ -366,7 +584,9 @@ int64_t Engine::managed_parameters() const {
   return n;
 }
 
-int64_t Engine::model_state_bytes() const { return managed_parameters() * 4 * 4; }
+int64_t Engine::model_state_bytes() const {
+  return managed_parameters() * model_state_bytes_per_param(impl_->options.precision);
+}
 
 std::unique_ptr<Engine> attach(torch::nn::Module& module, AdamWConfig optimizer, EngineOptions options) {
   return std::make_unique<Engine>(module, optimizer, std::move(options));

@@ -1,20 +1,27 @@
 #pragma once
 // Engine: strata attached to an unmodified torch::nn::Module (world size 1).
 //
-// attach() moves every trainable parameter into chunk families (parameter,
+// attach() moves every trainable parameter into chunk families (parameter in
+// the compute precision, fp32 master weights when that is bf16 or fp16,
 // gradient, AdamW exp_avg and exp_avg_sq) owned by a ChunkManager. The
 // module's torch::Tensor objects stay the same objects: each gets a storage of
 // its own whose data pointer strata sets to the parameter's slot in its chunk
 // while that chunk is on the compute (device) tier, and to null otherwise
 // (Note [Parameter storages follow their chunk]). An OpHook makes the chunks
 // of every operator's parameters resident and pins them (COMPUTE) for the
-// operator, in forward and backward. Gradient hooks add each gradient into
-// its slot of the gradient chunk. step() runs the fused AdamW kernel chunk by
-// chunk on the host tier, with global grad-norm clipping.
+// operator, in forward and backward. A pre-hook on each parameter's gradient
+// accumulator adds the gradient into its slot of the gradient chunk and drops
+// it, so autograd never keeps a second copy (Note [Gradients go straight to
+// their chunk]). step() runs the fused AdamW kernel chunk by chunk on the host
+// tier with global grad-norm clipping, streaming optimizer state that lives on
+// NVMe through a double-buffered pipeline (Note [The step pipeline]).
 //
-// This is the first slice of the engine issue: fp32 only (no bf16/fp16 master
-// weights or loss scaling yet), no double-buffered NVMe optimizer pipeline,
-// frozen parameters and buffers stay where they are.
+// Mixed precision (precision = bf16 or fp16): parameters, gradients, floating
+// buffers and frozen parameters are held in the compute precision, as
+// module->to(dtype) would; the fp32 master weights live in the master chunk
+// and the kernel writes the new compute copy in the same pass. fp16 uses
+// dynamic loss scaling. Inputs must be given in compute_dtype() (token ids
+// need nothing), as with DeepSpeed's fp16 engine.
 
 #include <torch/nn/module.h>
 
@@ -23,51 +30,48 @@
 #include <string>
 #include <vector>
 
-#include "strata/kernels/optim.h"
 #include "strata/memory/chunk_manager.h"
+#include "strata/parallel/engine_options.h"
 
 namespace strata::parallel {
 
-struct AdamWConfig {
-  float lr = 1e-3f;
-  float beta1 = 0.9f;
-  float beta2 = 0.999f;
-  float eps = 1e-8f;
-  float weight_decay = 1e-2f;
-};
-
-struct EngineOptions {
-  memory::TierBudgets budgets;
-  std::string nvme_dir;        // needed when budgets.nvme > 0
-  int64_t chunk_elems = 0;     // 0: least padding, at most a quarter of the device budget (ChunkManager)
-  double clip_norm = 0.0;      // 0: no clipping
-  int grad_accumulation = 1;   // micro-steps per optimizer step; gradients are averaged
-};
-
 struct StepResult {
-  double loss = 0.0;
-  bool stepped = false;    // false on accumulation micro-steps
-  double grad_norm = 0.0;  // before clipping, when stepped
+  double loss = 0.0;        // the unscaled loss of this micro-step
+  bool stepped = false;     // false on accumulation micro-steps and skipped steps
+  bool overflow = false;    // gradients held inf/nan: the step was skipped
+  double grad_norm = 0.0;   // unscaled, before clipping, on accumulation boundaries
+  double loss_scale = 1.0;  // the scale used for this micro-step's backward
 };
 
 class Engine {
  public:
   Engine(torch::nn::Module& module, AdamWConfig optimizer, EngineOptions options);
-  /// Gives the parameters owned memory again (their current values).
+  /// Gives the parameters owned fp32 memory again (the master values).
   ~Engine();
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
 
-  /// Runs `loss_fn` (forward) and backward under the operator hook, then the
-  /// optimizer step on accumulation boundaries.
+  /// Runs `loss_fn` (forward) and backward (of the scaled loss) under the
+  /// operator hook, then the optimizer step on accumulation boundaries.
   StepResult train_step(const std::function<torch::Tensor()>& loss_fn);
   /// Runs `fn` (e.g. evaluation) under the operator hook, without gradients.
   torch::Tensor run(const std::function<torch::Tensor()>& fn);
   void zero_grad();
 
+  /// The dtype the module computes in (its parameters' dtype while attached).
+  torch::ScalarType compute_dtype() const;
+  double loss_scale() const;
+  int64_t skipped_steps() const;
+
   memory::ChunkManager& chunks();
+  memory::TierStats tier_stats(memory::Tier tier) const;
+  memory::MoveStats move_stats() const;
   int64_t managed_parameters() const;
-  int64_t model_state_bytes() const;  // parameters, gradients and optimizer state
+  /// Bytes of parameters, gradients, master weights and optimizer state.
+  int64_t model_state_bytes() const;
+  /// Families whose optimizer state lives on NVMe between steps, of num_families().
+  size_t nvme_optim_families() const;
+  size_t num_families() const;
 
  private:
   struct Impl;

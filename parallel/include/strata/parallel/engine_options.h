@@ -1,0 +1,60 @@
+#pragma once
+// The engine's options, free of LibTorch so tools and tests can build them
+// without it. Every option can also come from the environment (from_env).
+
+#include <cstdint>
+#include <string>
+
+#include "strata/core/dtype.h"
+#include "strata/memory/types.h"
+
+namespace strata::parallel {
+
+struct AdamWConfig {
+  float lr = 1e-3f;
+  float beta1 = 0.9f;
+  float beta2 = 0.999f;
+  float eps = 1e-8f;
+  float weight_decay = 1e-2f;
+};
+
+/// Dynamic loss scaling (fp16): on overflow the step is skipped and the scale
+/// multiplied by `backoff` (not below `min_scale`); after `growth_interval`
+/// clean steps in a row it is multiplied by `growth_factor`.
+struct LossScaleOptions {
+  double initial = 65536.0;
+  int growth_interval = 2000;
+  double growth_factor = 2.0;
+  double backoff = 0.5;
+  double min_scale = 1.0;
+};
+
+struct EngineOptions {
+  memory::TierBudgets budgets;
+  std::string nvme_dir;        // needed when budgets.nvme > 0
+  DType precision = DType::kFloat32;
+  LossScaleOptions loss_scale;  // used with fp16
+  int64_t chunk_elems = 0;     // 0: least padding, at most a quarter of the device budget (ChunkManager)
+  double clip_norm = 0.0;      // 0: no clipping
+  int grad_accumulation = 1;   // micro-steps per optimizer step; gradients are averaged
+  /// Fraction of chunk families whose optimizer state (master, exp_avg,
+  /// exp_avg_sq) lives on NVMe between steps (static placement). -1: auto, the
+  /// families whose state does not fit in half the host budget. Needs an nvme tier.
+  double nvme_optim_fraction = -1.0;
+
+  /// `base` with every option the environment sets replaced:
+  /// STRATA_DEVICE_BUDGET, STRATA_HOST_BUDGET, STRATA_NVME_BUDGET (sizes such
+  /// as "512MiB"), STRATA_NVME_DIR, STRATA_PRECISION (fp32|bf16|fp16),
+  /// STRATA_CHUNK_ELEMS, STRATA_CLIP_NORM, STRATA_GRAD_ACCUMULATION,
+  /// STRATA_NVME_OPTIM_FRACTION, STRATA_LOSS_SCALE (initial scale). A value
+  /// that does not parse is an error naming the variable.
+  static EngineOptions from_env(EngineOptions base);
+  /// Checks every option; throws strata::Error saying what to change.
+  void validate() const;
+};
+
+/// Model state bytes per parameter for a precision: parameter and gradient in
+/// that precision, fp32 master (unless fp32), AdamW exp_avg and exp_avg_sq.
+int64_t model_state_bytes_per_param(DType precision);
+
+}  // namespace strata::parallel
