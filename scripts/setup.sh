@@ -20,9 +20,11 @@ cd "$root"
 jobs="$(nproc)"
 step() { printf '\n==> %s\n' "$*"; }
 
+# libopenblas0-pthread: LibTorch's fp32 matmuls go through libblas.so.3, which
+# is otherwise Debian's unoptimised reference BLAS (about 10x slower here).
 packages=(
   g++ cmake ninja-build ccache pkg-config
-  libtorch-dev libgloo-dev libhwloc-dev liburing-dev libjemalloc-dev
+  libtorch-dev libopenblas0-pthread libgloo-dev libhwloc-dev liburing-dev libjemalloc-dev
   nlohmann-json3-dev libcli11-dev libfmt-dev libxxhash-dev
   googletest libgtest-dev libgmock-dev libbenchmark-dev fio fortunes-min
 )

@@ -198,6 +198,9 @@ void add_bench_command(CLI::App& app) {
   auto* bench = app.add_subcommand("bench", "Benchmarks, each printed beside a ceiling measured in the same run");
   bench->require_subcommand(1);
   add_bench_nvme_command(*bench);
+#if defined(STRATA_HAVE_TORCH)
+  add_bench_step_command(*bench);
+#endif
   auto* optim = bench->add_subcommand("optim", "CPU optimizer kernels vs a bandwidth probe and torch::optim::AdamW");
   auto o = std::make_shared<OptimBenchOptions>();
   auto size = std::make_shared<std::string>("64M");

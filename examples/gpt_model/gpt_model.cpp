@@ -1,0 +1,104 @@
+#include "gpt_model.h"
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "strata/core/error.h"
+
+namespace strata::examples {
+
+GptBlockImpl::GptBlockImpl(int dim, int heads_) : heads(heads_) {
+  ln1 = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({dim})));
+  ln2 = register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({dim})));
+  qkv = register_module("qkv", torch::nn::Linear(dim, 3 * dim));
+  proj = register_module("proj", torch::nn::Linear(dim, dim));
+  up = register_module("up", torch::nn::Linear(dim, 4 * dim));
+  down = register_module("down", torch::nn::Linear(4 * dim, dim));
+}
+
+torch::Tensor GptBlockImpl::forward(torch::Tensor x, const torch::Tensor& mask) {
+  const int64_t b = x.size(0), t = x.size(1), d = x.size(2), hd = d / heads;
+  auto parts = qkv->forward(ln1->forward(x)).chunk(3, -1);
+  auto split = [&](const torch::Tensor& y) { return y.view({b, t, heads, hd}).transpose(1, 2); };
+  torch::Tensor q = split(parts[0]), k = split(parts[1]), v = split(parts[2]);
+  torch::Tensor att = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(hd));
+  att = torch::softmax(att.masked_fill(mask, -1e4), -1);
+  x = x + proj->forward(torch::matmul(att, v).transpose(1, 2).contiguous().view({b, t, d}));
+  return x + down->forward(torch::gelu(up->forward(ln2->forward(x))));
+}
+
+GptImpl::GptImpl(const GptConfig& c) : config(c) {
+  STRATA_CHECK(c.dim % c.heads == 0, "the model width (", c.dim, ") must be a multiple of the heads (", c.heads, ")");
+  tok = register_module("tok", torch::nn::Embedding(c.vocab, c.dim));
+  pos = register_module("pos", torch::nn::Embedding(c.context, c.dim));
+  for (int i = 0; i < c.layers; ++i) blocks->push_back(GptBlock(c.dim, c.heads));
+  register_module("blocks", blocks);
+  ln = register_module("ln", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.dim})));
+  torch::NoGradGuard no_grad;
+  for (auto& p : named_parameters()) {
+    if (p.key().find("ln") != std::string::npos) continue;  // LayerNorm keeps ones and zeros
+    if (p.value().dim() >= 2) {
+      p.value().normal_(0.0, 0.02);
+    } else {
+      p.value().zero_();
+    }
+  }
+}
+
+torch::Tensor GptImpl::forward(const torch::Tensor& idx) {
+  const int64_t t = idx.size(1);
+  const torch::Tensor mask = torch::ones({t, t}, torch::kBool).triu(1);
+  torch::Tensor x = tok->forward(idx) + pos->forward(torch::arange(t));
+  for (const auto& m : *blocks) x = m->as<GptBlockImpl>()->forward(x, mask);
+  return torch::nn::functional::linear(ln->forward(x), tok->weight);  // output tied to the input embedding
+}
+
+torch::Tensor GptImpl::loss(const torch::Tensor& x, const torch::Tensor& y) {
+  return torch::cross_entropy_loss(forward(x).view({-1, config.vocab}), y.reshape({-1}));
+}
+
+int64_t count_parameters(torch::nn::Module& module) {
+  int64_t n = 0;
+  for (const auto& p : module.parameters()) n += p.numel();
+  return n;
+}
+
+torch::Tensor load_corpus(const std::string& path) {
+  std::string text;
+  auto slurp = [&](const std::filesystem::path& p) {
+    std::ifstream in(p, std::ios::binary);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    text += ss.str();
+  };
+  if (!path.empty()) {
+    STRATA_CHECK(std::filesystem::is_regular_file(path), "--data ", path, " is not a readable file");
+    slurp(path);
+  } else {
+    const std::filesystem::path dir = "/usr/share/games/fortunes";
+    STRATA_CHECK(std::filesystem::is_directory(dir), "no corpus: install Debian's fortunes-min (scripts/setup.sh "
+                 "does) or pass --data FILE");
+    for (const auto& e : std::filesystem::directory_iterator(dir)) {
+      if (e.is_regular_file() && e.path().extension() != ".dat") slurp(e.path());
+    }
+  }
+  STRATA_CHECK(text.size() > 1024, "the corpus has only ", text.size(), " bytes; give a larger --data file");
+  return torch::from_blob(text.data(), {static_cast<int64_t>(text.size())}, torch::kUInt8).to(torch::kLong);
+}
+
+std::pair<torch::Tensor, torch::Tensor> sample_batch(const torch::Tensor& corpus, int batch, int context) {
+  const int64_t n = corpus.size(0) - context - 1;
+  STRATA_CHECK(n > 0, "the corpus (", corpus.size(0), " bytes) is shorter than the context (", context, ")");
+  const torch::Tensor starts = torch::randint(0, n, {batch});
+  std::vector<torch::Tensor> xs, ys;
+  for (int b = 0; b < batch; ++b) {
+    const int64_t s = starts[b].item<int64_t>();
+    xs.push_back(corpus.slice(0, s, s + context));
+    ys.push_back(corpus.slice(0, s + 1, s + context + 1));
+  }
+  return {torch::stack(xs), torch::stack(ys)};
+}
+
+}  // namespace strata::examples

@@ -1,0 +1,55 @@
+#pragma once
+// The decoder-only transformer of examples/gpt, written with plain LibTorch
+// modules, and its byte-level corpus. `strata bench step` trains the same
+// model, so the benchmark measures what the example runs.
+
+#include <torch/torch.h>
+
+#include <string>
+
+namespace strata::examples {
+
+struct GptConfig {
+  int vocab = 256;  // bytes
+  int context = 64;
+  int dim = 128;
+  int layers = 4;
+  int heads = 4;
+};
+
+struct GptBlockImpl : torch::nn::Module {
+  GptBlockImpl(int dim, int heads);
+  torch::Tensor forward(torch::Tensor x, const torch::Tensor& mask);
+
+  int heads;
+  torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
+  torch::nn::Linear qkv{nullptr}, proj{nullptr}, up{nullptr}, down{nullptr};
+};
+TORCH_MODULE(GptBlock);
+
+struct GptImpl : torch::nn::Module {
+  explicit GptImpl(const GptConfig& config);
+  /// Logits [batch, time, vocab] for token ids [batch, time]; the output
+  /// projection is tied to the input embedding.
+  torch::Tensor forward(const torch::Tensor& idx);
+  /// Mean cross-entropy of next-byte prediction.
+  torch::Tensor loss(const torch::Tensor& x, const torch::Tensor& y);
+
+  GptConfig config;
+  torch::nn::Embedding tok{nullptr}, pos{nullptr};
+  torch::nn::ModuleList blocks;
+  torch::nn::LayerNorm ln{nullptr};
+};
+TORCH_MODULE(Gpt);
+
+int64_t count_parameters(torch::nn::Module& module);
+
+/// `path`, or Debian's fortunes-min corpus (/usr/share/games/fortunes) when
+/// empty, as a 1-D int64 tensor of bytes. Throws strata::Error saying what to
+/// install or pass when there is no usable text.
+torch::Tensor load_corpus(const std::string& path);
+
+/// `batch` random windows of `context` bytes and the bytes that follow them.
+std::pair<torch::Tensor, torch::Tensor> sample_batch(const torch::Tensor& corpus, int batch, int context);
+
+}  // namespace strata::examples
