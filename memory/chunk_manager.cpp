@@ -273,6 +273,7 @@ void ChunkManager::transfer(Chunk& c, Tier to, Lock& lock) {
     dst = allocate(to, bytes);
   }
   outgoing_[static_cast<int>(from)] += 1;
+  incoming_[static_cast<int>(to)] += 1;
   void* src = c.ptr_;
   const ChunkId key = c.id_;
   lock.unlock();  // the bytes move without the lock; `c` is busy, so nobody else touches it
@@ -302,6 +303,7 @@ void ChunkManager::transfer(Chunk& c, Tier to, Lock& lock) {
   }
   lock.lock();
   outgoing_[static_cast<int>(from)] -= 1;
+  incoming_[static_cast<int>(to)] -= 1;
   if (failure) {
     // The source is untouched and stays the chunk's payload.
     if (to == Tier::kNvme) {
@@ -337,8 +339,11 @@ void ChunkManager::make_room(Tier tier, size_t bytes, const Chunk& requester, Lo
         if (c->location_ == tier && c->movable() && !c->busy_) candidates.push_back(c->id_);
       }
     }
-    if (candidates.empty() && outgoing_[static_cast<int>(tier)] > 0) {
-      idle_.wait(lock);  // a move leaving this tier will free its source
+    if (candidates.empty() && (outgoing_[static_cast<int>(tier)] > 0 || incoming_[static_cast<int>(tier)] > 0)) {
+      // A move leaving this tier will free its source; one arriving will
+      // leave an evictable chunk unless its caller pins it. Both finish
+      // without this lock's holder, so waiting cannot deadlock.
+      idle_.wait(lock);
       continue;
     }
     STRATA_CHECK(!candidates.empty(), tier_name(tier), " tier cannot fit ", format_bytes(bytes), " for ",

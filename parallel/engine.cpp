@@ -71,10 +71,11 @@ class GradToChunk final : public torch::autograd::FunctionPreHook {
 // their storage and makes the chunk resident before the operator reads them.
 //
 // Note [The step pipeline]
-// The step visits chunk families in order. Before updating family i it starts
-// (on the chunk manager's copy engine) the reads of family i+1's chunks that
-// are not on host; after updating family i it starts the write-back to NVMe of
-// its optimizer state when that state lives there. So while the kernel updates
+// The step visits chunk families in order. With family i pinned on host it
+// starts (on the chunk manager's copy engine) the reads of family i+1's chunks
+// that are not on host, when they fit in the host tier's free bytes; after
+// updating family i it starts the write-back to NVMe of its optimizer state
+// when that state lives there. So while the kernel updates
 // family i, family i+1 is read and family i-1 written: the optimizer waits on
 // NVMe only when the disk is slower than the update. Budgets still hold: the
 // reads and write-backs are ordinary chunk moves, evicting as they need.
@@ -225,12 +226,23 @@ struct Engine::Impl : OpObserver {
   }
 
   // Starts reads to host of the chunks not there yet (Note [The step pipeline]).
-  void read_ahead(const std::vector<ChunkId>& chunks, std::vector<offload::CopyTicket>& tickets) {
+  // With `only_into_free`, only when they fit in the host tier's free bytes:
+  // a read-ahead that had to evict would push out chunks the step needs.
+  void read_ahead(const std::vector<ChunkId>& chunks, std::vector<offload::CopyTicket>& tickets,
+                  bool only_into_free = false) {
+    std::vector<ChunkId> wanted;
+    uint64_t bytes = 0;
     for (ChunkId c : chunks) {
-      const auto at = mgr->chunk(c).location();
-      if (at && *at != Tier::kHost) tickets.push_back(mgr->prefetch(c, Tier::kHost));
-      if (!at && mgr->chunk(c).role() != memory::ChunkRole::kGrad) tickets.push_back(mgr->prefetch(c, Tier::kHost));
+      const memory::Chunk& chunk = mgr->chunk(c);
+      const auto at = chunk.location();
+      if ((at && *at != Tier::kHost) || (!at && chunk.role() != memory::ChunkRole::kGrad)) {
+        wanted.push_back(c);
+        bytes += chunk.alloc_bytes();
+      }
     }
+    const memory::TierStats host = mgr->tier_stats(Tier::kHost);
+    if (only_into_free && host.used + bytes > host.budget) return;
+    for (ChunkId c : wanted) tickets.push_back(mgr->prefetch(c, Tier::kHost));
   }
   // A failed read-ahead left the chunk where it was; the access that follows
   // moves it again and reports the error itself.
@@ -251,10 +263,10 @@ struct Engine::Impl : OpObserver {
     std::vector<offload::CopyTicket> ahead;
     for (size_t i = 0; i < families.size(); ++i) {
       const ChunkId gc = mgr->family(families[i]).grad;
-      if (i + 1 < families.size()) read_ahead({mgr->family(families[i + 1]).grad}, ahead);
       if (mgr->chunk(gc).location()) {  // never materialised: no gradient, zero
         const auto slots = all_slots(gc);
         pin(gc, Tier::kHost, slots);
+        if (i + 1 < families.size()) read_ahead({mgr->family(families[i + 1]).grad}, ahead, /*only_into_free=*/true);
         total.merge(kernels::grad_stats(mgr->data(gc), options.precision, mgr->chunk(gc).capacity_elems()));
         unpin(gc, slots);
       }
@@ -263,7 +275,9 @@ struct Engine::Impl : OpObserver {
     return total;
   }
 
-  void update_family(size_t index, float grad_scale) {
+  // Pins family `index` on host, calls `pinned_hook` (the read-ahead of the
+  // next family, which must not evict this one), then updates it.
+  void update_family(size_t index, float grad_scale, const std::function<void()>& pinned_hook) {
     const memory::FamilyId f = families[index];
     const memory::ChunkFamily& fam = mgr->family(f);
     const std::vector<ChunkId> members = step_members(f);
@@ -274,6 +288,7 @@ struct Engine::Impl : OpObserver {
         pin(c, Tier::kHost, slots);
         pinned.push_back(c);
       }
+      pinned_hook();
       char* param = static_cast<char*>(mgr->data(fam.param));
       float* master = static_cast<float*>(mgr->data(fam.master ? *fam.master : fam.param));
       const char* g = static_cast<const char*>(mgr->data(fam.grad));
@@ -335,8 +350,9 @@ struct Engine::Impl : OpObserver {
     std::vector<offload::CopyTicket> ahead, behind;
     try {
       for (size_t i = 0; i < families.size(); ++i) {
-        if (i + 1 < families.size()) read_ahead(step_members(families[i + 1]), ahead);
-        update_family(i, static_cast<float>(multiplier));
+        update_family(i, static_cast<float>(multiplier), [&] {
+          if (i + 1 < families.size()) read_ahead(step_members(families[i + 1]), ahead, /*only_into_free=*/true);
+        });
         if (optim_on_nvme[i]) {
           for (ChunkId c : optim_members(families[i])) behind.push_back(mgr->prefetch(c, Tier::kNvme));
         }

@@ -118,6 +118,31 @@ TEST(ChunkManagerConcurrency, AccessDuringAPrefetchStallsAndIsCounted) {
   EXPECT_EQ(got, pattern(ids[0], 3));
 }
 
+// A full tier whose only chunk is still arriving is not "nothing evictable":
+// the request waits for the arrival, then evicts it.
+TEST(ChunkManagerConcurrency, RequestWaitsForAMoveArrivingOnAFullTier) {
+  testing::TestNvme nvme(64 * kChunkBytes, "arrive");
+  auto slow = std::make_shared<SlowStore>(nvme.store);
+  ChunkManagerOptions o = tight(nvme);
+  o.budgets.device = kChunkBytes;
+  o.nvme = slow;
+  ChunkManager mgr(std::move(o));
+  const auto ids = register_chunks(mgr, 2, "w");
+  mgr.access(ids[0], Tier::kHost);
+  mgr.write(ids[0], pattern(ids[0], 5).data(), kChunkBytes);
+  mgr.move(ids[0], Tier::kNvme);
+  auto ticket = mgr.prefetch(ids[0], Tier::kDevice);
+  while (slow->reads == 0) std::this_thread::yield();  // chunk 0 holds the whole device tier, in flight
+  mgr.access(ids[1], Tier::kDevice);                    // waits for it to land, then evicts it
+  offload::CopyEngine::wait(ticket);
+  EXPECT_TRUE(mgr.chunk(ids[1]).resident_on(Tier::kDevice));
+  EXPECT_TRUE(mgr.chunk(ids[0]).resident_on(Tier::kHost));
+  EXPECT_LE(mgr.tier_stats(Tier::kDevice).peak, kChunkBytes);
+  std::vector<float> got(kElems);
+  mgr.read(ids[0], got.data(), kChunkBytes);
+  EXPECT_EQ(got, pattern(ids[0], 5));
+}
+
 TEST(ChunkManagerConcurrency, PrefetchErrorsReachTheTicket) {
   ChunkManagerOptions o;
   o.budgets = {kChunkBytes, kChunkBytes, 0};

@@ -27,8 +27,8 @@
 // destination (so both copies count against their budgets while the bytes
 // move), copies with the lock released, and only then frees the source: when
 // the copy fails, the source is still the valid payload. When every chunk on a
-// full tier is busy or pinned, a request waits for moves leaving that tier
-// and fails only if none is in flight.
+// full tier is busy or pinned, a request waits for moves leaving or arriving on
+// that tier and fails only if none is in flight.
 
 #include <array>
 #include <condition_variable>
@@ -171,6 +171,7 @@ class ChunkManager {
   std::vector<ChunkFamily> families_;
   std::array<TierStats, kNumTiers> stats_{};
   std::array<int, kNumTiers> outgoing_{};  // moves in flight leaving each tier
+  std::array<int, kNumTiers> incoming_{};  // moves in flight arriving on each tier
   mutable MoveStats moves_;
   PlacementListener placement_listener_;
   std::unique_ptr<offload::CopyEngine> copier_;  // last: its jobs use everything above
