@@ -238,6 +238,10 @@ TEST_P(IsaKernel, GradStatsMatchesDoubleAndFindsNonFinite) {
       EXPECT_TRUE(got.finite);
       EXPECT_NEAR(got.sum_sq, want, 1e-5 * want + 1e-12) << dtype_name(gd) << " n " << n;
       if (n > 0) {
+        const int64_t at = (12345 + n / 3) % n;  // in the vector body for the larger sizes
+        s.set_grad(5 + at, INFINITY);
+        EXPECT_FALSE(grad_stats(s.grad_at(), gd, n, isa).finite) << dtype_name(gd) << " inf at " << at;
+        s.set_grad(5 + at, 0.5);
         s.set_grad(5 + n - 1, NAN);  // the very last element: the scalar tail
         EXPECT_FALSE(grad_stats(s.grad_at(), gd, n, isa).finite) << dtype_name(gd) << " n " << n;
       }
@@ -304,8 +308,10 @@ TEST_P(IsaKernel, ThreadCountDoesNotChangeResults) {
 TEST_P(IsaKernel, LargeFiniteGradientsAreNotOverflow) {
   const Isa isa = GetParam();
   if (!isa_supported(isa)) GTEST_SKIP();
-  std::vector<float> g(1000, 3.0e38f);  // each finite; sums of neighbours are not
-  EXPECT_TRUE(grad_stats(g.data(), DType::kFloat32, 1000, isa).finite);
+  std::vector<float> g(1000, 3.0e38f);  // each finite; their squares are not, in fp32
+  const GradStats big = grad_stats(g.data(), DType::kFloat32, 1000, isa);
+  EXPECT_TRUE(big.finite);
+  EXPECT_NEAR(big.sum_sq, 1000 * 9.0e76, 1e-6 * 1000 * 9.0e76) << "the overflowing block is summed in fp64";
   g[999] = -INFINITY;
   EXPECT_FALSE(grad_stats(g.data(), DType::kFloat32, 1000, isa).finite);
 }
