@@ -7,6 +7,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <mutex>
@@ -18,6 +19,8 @@
 #include "strata/core/log.h"
 #include "strata/kernels/optim.h"
 #include "strata/memory/nvme_swap_store.h"
+#include "strata/memory/trace.h"
+#include "strata/parallel/memory_counter.h"
 #include "strata/parallel/op_hook.h"
 
 namespace strata::parallel {
@@ -59,6 +62,67 @@ class GradToChunk final : public torch::autograd::FunctionPreHook {
 };
 
 }  // namespace
+
+// Note [Recording a trace]
+// While a traced step runs, the operator hook reports every operator (not
+// only those touching parameters). Each becomes a TraceOp: the parameter
+// chunks it touched and where they were when it began, chunk bytes per tier
+// after it, non-model bytes (CpuMemoryCounter) live after it and their peak
+// during it, and the chunk moves and stall time since the previous record, so
+// that moves finishing between operators (prefetches) are counted once. The
+// optimizer step is one more record, "strata::optimizer_step". After
+// trace_steps steps the trace is written (write_trace: temporary file and
+// rename) and recording stops.
+struct TraceRecorder {
+  using Clock = std::chrono::steady_clock;
+  memory::Trace trace;
+  std::string path;
+  int steps_wanted = 0;
+  bool recording = false;  // inside a traced train_step
+  bool done = false;
+  std::string phase;
+  CpuMemoryCounter* counter = nullptr;
+  Clock::time_point t0, op_t0, step_t0;
+  memory::MoveStats last;
+  memory::TraceOp current;
+  int64_t step_first_op = 0;
+  std::mutex mu;
+
+  double since(Clock::time_point a) const { return std::chrono::duration<double>(Clock::now() - a).count(); }
+
+  void begin_op(const std::string& name, std::vector<memory::TraceTouch> touches) {
+    current = memory::TraceOp{};
+    current.index = static_cast<int64_t>(trace.ops.size());
+    current.step = static_cast<int>(trace.steps.size());
+    current.name = name;
+    current.phase = phase;
+    current.start = since(t0);
+    current.chunks = std::move(touches);
+    counter->reset_peak();
+    op_t0 = Clock::now();
+  }
+
+  void end_op(const memory::ChunkManager& mgr) {
+    current.seconds = since(op_t0);
+    for (int t = 0; t < memory::kNumTiers; ++t) current.model_bytes[t] = mgr.tier_stats(static_cast<memory::Tier>(t)).used;
+    current.non_model_bytes = counter->current();
+    current.non_model_peak = std::max(counter->peak(), current.non_model_bytes);
+    const memory::MoveStats now = mgr.move_stats();
+    for (int a = 0; a < memory::kNumTiers; ++a) {
+      for (int b = 0; b < memory::kNumTiers; ++b) {
+        const uint64_t bytes = now.bytes[a][b] - last.bytes[a][b];
+        const uint64_t count = now.count[a][b] - last.count[a][b];
+        if (count > 0) {
+          current.moves.push_back({memory::tier_name(static_cast<memory::Tier>(a)),
+                                   memory::tier_name(static_cast<memory::Tier>(b)), bytes, count});
+        }
+      }
+    }
+    current.stall_seconds = now.stall_seconds - last.stall_seconds;
+    last = now;
+    trace.ops.push_back(std::move(current));
+  }
+};
 
 // Note [Parameter storages follow their chunk]
 // At attach every trainable parameter gets a StorageImpl of its own with a
@@ -115,6 +179,10 @@ struct Engine::Impl : OpObserver {
   int clean_steps = 0;
   int64_t skipped = 0;
   std::mutex grad_mu;
+  std::unique_ptr<TraceRecorder> recorder;  // null: no trace
+
+  bool observes_all_ops() const override { return recorder && recorder->recording; }
+  bool tracing() const { return recorder && recorder->recording; }
 
   ChunkId param_chunk(const Param& p) const { return mgr->family(p.family).param; }
   size_t elem_size() const { return dtype_size(options.precision); }
@@ -152,6 +220,20 @@ struct Engine::Impl : OpObserver {
   }
 
   void before_op(const c10::OperatorHandle& op, const std::vector<int64_t>& ids) override {
+    if (tracing()) {
+      std::vector<memory::TraceTouch> touches;
+      for (int64_t id : ids) {
+        const ChunkId c = param_chunk(params[id]);
+        bool seen = false;
+        for (const auto& t : touches) seen = seen || t.chunk == c;
+        if (seen) continue;
+        const auto at = mgr->chunk(c).location();
+        touches.push_back({c, at ? memory::tier_name(*at) : "none"});
+      }
+      std::lock_guard<std::mutex> lock(recorder->mu);
+      recorder->begin_op(op.schema().name(), std::move(touches));
+    }
+    if (ids.empty()) return;
     // The operator's working set on the device: every distinct chunk it touches.
     std::vector<ChunkId> chunks;
     uint64_t needed = 0;
@@ -182,6 +264,55 @@ struct Engine::Impl : OpObserver {
 
   void after_op(const c10::OperatorHandle&, const std::vector<int64_t>& ids) override {
     for (int64_t id : ids) mgr->transition(param_chunk(params[id]), params[id].slot, TensorState::kHold);
+    if (tracing()) {
+      std::lock_guard<std::mutex> lock(recorder->mu);
+      recorder->end_op(*mgr);
+    }
+  }
+
+  void start_trace() {
+    recorder = std::make_unique<TraceRecorder>();
+    TraceRecorder& r = *recorder;
+    r.path = options.trace_path;
+    r.steps_wanted = options.trace_steps;
+    r.counter = &CpuMemoryCounter::install();
+    r.trace.device = mgr->device().name();
+    r.trace.non_model_source = "LibTorch CPU allocator (counting wrapper)";
+    for (int t = 0; t < memory::kNumTiers; ++t) r.trace.budgets[t] = options.budgets.of(static_cast<Tier>(t));
+    for (size_t id = 0; id < mgr->num_chunks(); ++id) {
+      const memory::Chunk& c = mgr->chunk(static_cast<ChunkId>(id));
+      r.trace.chunks.push_back({c.id(), c.family(), memory::chunk_role_name(c.role()), dtype_name(c.dtype()),
+                                c.alloc_bytes(), c.capacity_elems(), c.layout().used_elems});
+    }
+    r.t0 = TraceRecorder::Clock::now();
+  }
+
+  void begin_traced_step() {
+    if (!recorder || recorder->done) return;
+    TraceRecorder& r = *recorder;
+    r.recording = true;
+    r.phase = "forward";
+    r.step_first_op = static_cast<int64_t>(r.trace.ops.size());
+    r.step_t0 = TraceRecorder::Clock::now();
+    r.last = mgr->move_stats();
+  }
+
+  void end_traced_step() {
+    if (!tracing()) return;
+    TraceRecorder& r = *recorder;
+    r.recording = false;
+    memory::TraceStep st;
+    st.index = static_cast<int>(r.trace.steps.size());
+    st.first_op = r.step_first_op;
+    st.end_op = static_cast<int64_t>(r.trace.ops.size());
+    st.seconds = r.since(r.step_t0);
+    r.trace.steps.push_back(st);
+    if (static_cast<int>(r.trace.steps.size()) >= r.steps_wanted) {
+      r.done = true;
+      memory::write_trace(r.trace, r.path);
+      STRATA_LOG(kInfo, "wrote the memory trace of {} steps ({} operators) to {}", r.trace.steps.size(),
+                 r.trace.ops.size(), r.path);
+    }
   }
 
   // Adds a gradient into the parameter's slot of its gradient chunk (Note
@@ -533,6 +664,7 @@ Engine::Engine(torch::nn::Module& module, AdamWConfig optimizer, EngineOptions o
   }
   for (Impl::Cast& c : s.casts) c.tensor.set_data(c.tensor.to(s.compute));
   s.hook = std::make_unique<OpHook>(s);
+  if (!options.trace_path.empty()) s.start_trace();
   for (size_t i = 0; i < s.params.size(); ++i) {
     Impl::Param& p = s.params[i];
     s.hook->track(p.tensor, static_cast<int64_t>(i));
@@ -553,11 +685,13 @@ StepResult Engine::train_step(const std::function<torch::Tensor()>& loss_fn) {
   Impl& s = *impl_;
   StepResult r;
   r.loss_scale = s.scale;
+  s.begin_traced_step();
   {
     OpHook::Scope scope(*s.hook);
     torch::Tensor loss = loss_fn();
     STRATA_CHECK(loss.defined() && loss.numel() == 1, "train_step's closure must return the loss as one number");
     r.loss = loss.item<double>();
+    if (s.tracing()) s.recorder->phase = "backward";
     if (s.scale != 1.0) {
       (loss.to(torch::kFloat32) * s.scale).backward();
     } else {
@@ -565,9 +699,15 @@ StepResult Engine::train_step(const std::function<torch::Tensor()>& loss_fn) {
     }
   }
   if (++s.micro_steps % s.options.grad_accumulation == 0) {
+    if (s.tracing()) {
+      s.recorder->phase = "optimizer";
+      s.recorder->begin_op("strata::optimizer_step", {});
+    }
     r.stepped = s.step(r.grad_norm);
     r.overflow = !r.stepped;
+    if (s.tracing()) s.recorder->end_op(*s.mgr);
   }
+  s.end_traced_step();
   return r;
 }
 

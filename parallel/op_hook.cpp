@@ -28,12 +28,13 @@ void hook_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   OpHook* hook = g_active.load(std::memory_order_acquire);
   std::vector<int64_t> ids;
   if (hook != nullptr) ids = hook->managed_arguments(op, *stack);
-  if (hook != nullptr && !ids.empty()) hook->observer().before_op(op, ids);
+  const bool observe = hook != nullptr && (!ids.empty() || hook->observer().observes_all_ops());
+  if (observe) hook->observer().before_op(op, ids);
   {
     c10::impl::ExcludeDispatchKeyGuard exclude(kHookKey);
     op.callBoxed(stack);
   }
-  if (hook != nullptr && !ids.empty()) hook->observer().after_op(op, ids);
+  if (observe) hook->observer().after_op(op, ids);
 }
 
 void register_fallback_once() {

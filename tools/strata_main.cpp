@@ -1,4 +1,4 @@
-// strata: the command-line tool. `strata info` today; trace, bench and run join it.
+// strata: the command-line tool: info, bench, trace.
 #include <cstdio>
 #include <exception>
 
@@ -11,6 +11,7 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   strata::tools::add_info_command(app);
   strata::tools::add_bench_command(app);
+  strata::tools::add_trace_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "strata/core/error.h"
+#include "strata/memory/trace.h"
 
 namespace strata::parallel {
 namespace {
@@ -285,6 +286,61 @@ TEST(Engine, BackwardKeepsNoSecondCopyOfGradients) {
     return last->forward(x).sum();
   });
   EXPECT_EQ(seen, 1);
+}
+
+// Note [Recording a trace]: the traced steps' operators, forward and
+// backward, with their chunks; per-operator moves that add up to the
+// manager's own count; the device tier within budget at every operator.
+TEST(Engine, RecordsATraceOfTheWarmUpSteps) {
+  const std::string path =
+      (std::filesystem::temp_directory_path() / ("strata-engine-trace-" + std::to_string(::getpid()) + ".json")).string();
+  std::filesystem::remove(path);
+  torch::manual_seed(17);
+  auto model = mlp();
+  int64_t params = 0;
+  for (const auto& p : model->parameters()) params += p.numel();
+  EngineOptions o;
+  o.budgets = {static_cast<uint64_t>(params) * 16 / 4, 1 << 20, 0};
+  o.chunk_elems = 1024;
+  o.trace_path = path;
+  o.trace_steps = 2;
+  auto engine = attach(*model, AdamWConfig{}, o);
+  const memory::MoveStats before = engine->move_stats();
+  auto step = [&] {
+    const torch::Tensor x = torch::randn({16, 32}), y = torch::randn({16, 8});
+    engine->train_step([&] { return torch::mse_loss(model->forward(x), y); });
+  };
+  step();
+  EXPECT_FALSE(std::filesystem::exists(path)) << "written only after the traced steps";
+  step();
+  ASSERT_TRUE(std::filesystem::exists(path));
+  const memory::MoveStats after = engine->move_stats();
+  step();  // not traced
+
+  const memory::Trace t = memory::read_trace(path);
+  ASSERT_EQ(t.steps.size(), 2u);
+  EXPECT_EQ(t.steps[1].end_op, static_cast<int64_t>(t.ops.size()));
+  EXPECT_EQ(t.chunks.size(), engine->chunks().num_chunks());
+  int forward_addmm = 0, backward_with_chunks = 0, optimizer = 0;
+  uint64_t moved = 0, non_model_peak = 0;
+  for (const memory::TraceOp& op : t.ops) {
+    forward_addmm += op.name == "aten::addmm" && op.phase == "forward" && !op.chunks.empty();
+    backward_with_chunks += op.phase == "backward" && !op.chunks.empty();
+    optimizer += op.name == "strata::optimizer_step";
+    EXPECT_LE(op.model_bytes[0], o.budgets.device) << op.name;
+    for (const memory::TraceMove& m : op.moves) moved += m.bytes;
+    non_model_peak = std::max(non_model_peak, op.non_model_peak);
+  }
+  EXPECT_EQ(forward_addmm, 2 * 3) << "three Linear layers, two steps";
+  EXPECT_GE(backward_with_chunks, 2 * 3) << "backward operators read the weights too";
+  EXPECT_EQ(optimizer, 2);
+  uint64_t expected = 0;
+  for (int a = 0; a < memory::kNumTiers; ++a) {
+    for (int b = 0; b < memory::kNumTiers; ++b) expected += after.bytes[a][b] - before.bytes[a][b];
+  }
+  EXPECT_EQ(moved, expected) << "every move of the traced steps, counted once";
+  EXPECT_GT(non_model_peak, 16u * 64 * sizeof(float)) << "activations of the first layer at least";
+  std::filesystem::remove(path);
 }
 
 TEST(EngineOptions, FromEnvironment) {

@@ -41,12 +41,17 @@ struct EngineOptions {
   /// exp_avg_sq) lives on NVMe between steps (static placement). -1: auto, the
   /// families whose state does not fit in half the host budget. Needs an nvme tier.
   double nvme_optim_fraction = -1.0;
+  /// Record a memory trace (memory/trace.h, docs/trace.md) of the first
+  /// `trace_steps` training steps and write it here; empty: no trace.
+  std::string trace_path;
+  int trace_steps = 2;
 
   /// `base` with every option the environment sets replaced:
   /// STRATA_DEVICE_BUDGET, STRATA_HOST_BUDGET, STRATA_NVME_BUDGET (sizes such
   /// as "512MiB"), STRATA_NVME_DIR, STRATA_PRECISION (fp32|bf16|fp16),
   /// STRATA_CHUNK_ELEMS, STRATA_CLIP_NORM, STRATA_GRAD_ACCUMULATION,
-  /// STRATA_NVME_OPTIM_FRACTION, STRATA_LOSS_SCALE (initial scale). A value
+  /// STRATA_NVME_OPTIM_FRACTION, STRATA_LOSS_SCALE (initial scale),
+  /// STRATA_TRACE (trace path), STRATA_TRACE_STEPS. A value
   /// that does not parse is an error naming the variable.
   static EngineOptions from_env(EngineOptions base);
   /// Checks every option; throws strata::Error saying what to change.

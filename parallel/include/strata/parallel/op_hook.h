@@ -40,6 +40,9 @@ class OpObserver {
   /// `ids` are the distinct managed tensors among the operator's arguments.
   virtual void before_op(const c10::OperatorHandle& op, const std::vector<int64_t>& ids) = 0;
   virtual void after_op(const c10::OperatorHandle& op, const std::vector<int64_t>& ids) = 0;
+  /// True: before_op/after_op also run for operators without managed
+  /// tensors (ids empty), e.g. while the engine records a trace.
+  virtual bool observes_all_ops() const { return false; }
 };
 
 class OpHook {

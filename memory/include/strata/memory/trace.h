@@ -1,0 +1,90 @@
+#pragma once
+// A memory trace: what the engine did, operator by operator, during traced
+// (warm-up) steps. Written as JSON so other tools can read it; the schema is
+// versioned and documented in docs/trace.md. `strata trace report` reads it.
+//
+// The engine records a trace when EngineOptions::trace_path is set (or
+// STRATA_TRACE=path for any program using the engine); this header is the
+// data model and its JSON, free of LibTorch.
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "strata/memory/types.h"
+
+namespace strata::memory {
+
+constexpr int kTraceVersion = 1;
+
+struct TraceChunk {
+  int64_t id = 0;
+  int32_t family = 0;
+  std::string role;   // chunk_role_name(): param, master, grad, optim
+  std::string dtype;  // dtype_name()
+  uint64_t bytes = 0;           // alloc_bytes(): what it occupies on a tier
+  int64_t capacity_elems = 0;
+  int64_t used_elems = 0;       // elements of its tensors; the rest is padding
+};
+
+struct TraceTouch {
+  int64_t chunk = 0;
+  std::string tier;  // where the chunk was when the operator began: device, host, nvme or none
+};
+
+struct TraceMove {
+  std::string from, to;
+  uint64_t bytes = 0;
+  uint64_t count = 0;
+};
+
+struct TraceOp {
+  int64_t index = 0;  // position in the trace
+  int step = 0;
+  std::string name;   // "aten::addmm", or "strata::optimizer_step"
+  std::string phase;  // forward, backward or optimizer
+  double start = 0.0;    // seconds since the trace began
+  double seconds = 0.0;  // duration, including waits for chunks
+  std::vector<TraceTouch> chunks;
+  std::array<uint64_t, kNumTiers> model_bytes{};  // chunk bytes per tier after the operator
+  uint64_t non_model_bytes = 0;  // activations and workspace live after the operator
+  uint64_t non_model_peak = 0;   // their highest level during the operator
+  std::vector<TraceMove> moves;  // chunk moves that finished during the operator
+  double stall_seconds = 0.0;    // time spent waiting for chunks in flight
+};
+
+struct TraceStep {
+  int index = 0;
+  int64_t first_op = 0;
+  int64_t end_op = 0;  // one past the last
+  double seconds = 0.0;
+};
+
+struct Trace {
+  int version = kTraceVersion;
+  std::string device;         // the device tier's name
+  std::string non_model_source;  // how non-model bytes were measured
+  std::array<uint64_t, kNumTiers> budgets{};
+  std::vector<TraceChunk> chunks;
+  std::vector<TraceStep> steps;
+  std::vector<TraceOp> ops;
+};
+
+std::string trace_to_json(const Trace& trace);
+/// Throws strata::Error naming what is wrong: not JSON, not a strata trace,
+/// another version, a missing field.
+Trace trace_from_json(const std::string& text);
+
+/// The text summary of `strata trace report`: peak bytes per tier (model and
+/// non-model) against the budgets, bytes moved per tier pair, stall time and
+/// its share of the step, the `top` operators by non-model memory, and chunk
+/// utilisation (padding waste).
+std::string format_trace_report(const Trace& trace, size_t top = 10);
+
+/// Writes to `path` through a temporary file and a rename: a reader never
+/// sees half a trace. I/O errors are strata::Error naming the path.
+void write_trace(const Trace& trace, const std::string& path);
+Trace read_trace(const std::string& path);
+
+}  // namespace strata::memory
