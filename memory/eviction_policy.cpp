@@ -1,5 +1,8 @@
 #include "strata/memory/eviction_policy.h"
 
+#include <algorithm>
+#include <cstdint>
+
 #include "strata/core/error.h"
 
 namespace strata::memory {
@@ -18,6 +21,74 @@ ChunkId LruPolicy::choose_victim(Tier, const std::vector<ChunkId>& candidates) {
     if (t < best_time || (t == best_time && c < best)) {
       best = c;
       best_time = t;
+    }
+  }
+  return best;
+}
+
+void TracePolicy::on_access(ChunkId chunk, Tier tier) { lru_.on_access(chunk, tier); }
+void TracePolicy::on_leave(ChunkId chunk, Tier tier) { lru_.on_leave(chunk, tier); }
+
+void TracePolicy::set_plan(std::vector<std::vector<ChunkId>> ops) {
+  std::lock_guard<std::mutex> lock(mu_);
+  plan_ = std::move(ops);
+  uses_.clear();
+  for (size_t k = 0; k < plan_.size(); ++k) {
+    for (ChunkId c : plan_[k]) {
+      auto& u = uses_[c];
+      if (u.empty() || u.back() != static_cast<int64_t>(k)) u.push_back(static_cast<int64_t>(k));
+    }
+  }
+}
+
+void TracePolicy::clear_plan() {
+  std::lock_guard<std::mutex> lock(mu_);
+  plan_.clear();
+  uses_.clear();
+}
+
+bool TracePolicy::has_plan() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return !plan_.empty();
+}
+
+size_t TracePolicy::plan_size() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return plan_.size();
+}
+
+std::vector<ChunkId> TracePolicy::plan_op(int64_t op) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (op < 0 || op >= static_cast<int64_t>(plan_.size())) return {};
+  return plan_[op];
+}
+
+int64_t TracePolicy::next_use(ChunkId chunk, int64_t cursor) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return next_use_locked(chunk, cursor);
+}
+
+int64_t TracePolicy::next_use_locked(ChunkId chunk, int64_t cursor) const {
+  const auto it = uses_.find(chunk);
+  if (it == uses_.end()) return INT64_MAX;
+  const std::vector<int64_t>& u = it->second;
+  const auto next = std::upper_bound(u.begin(), u.end(), cursor);
+  if (next != u.end()) return *next - cursor;
+  return u.front() + static_cast<int64_t>(plan_.size()) - cursor;  // in the next step
+}
+
+ChunkId TracePolicy::choose_victim(Tier tier, const std::vector<ChunkId>& candidates) {
+  STRATA_ASSERT(!candidates.empty(), "eviction policy asked to choose among no candidates");
+  const int64_t cursor = cursor_.load(std::memory_order_relaxed);
+  std::lock_guard<std::mutex> lock(mu_);
+  if (tier != Tier::kDevice || plan_.empty() || cursor < 0) return lru_.choose_victim(tier, candidates);
+  ChunkId best = candidates.front();
+  int64_t best_use = -1;
+  for (ChunkId c : candidates) {
+    const int64_t use = next_use_locked(c, cursor);
+    if (use > best_use || (use == best_use && c < best)) {
+      best = c;
+      best_use = use;
     }
   }
   return best;

@@ -180,6 +180,15 @@ struct Engine::Impl : OpObserver {
   int64_t skipped = 0;
   std::mutex grad_mu;
   std::unique_ptr<TraceRecorder> recorder;  // null: no trace
+  // Note [Belady over the recorded operator sequence] (eviction_policy.h).
+  memory::TracePolicy* planner = nullptr;  // owned by the manager; null with policy "lru"
+  bool in_step = false;                    // forward/backward of a train_step is running
+  bool planning = true;                    // this step records the plan
+  bool diverged = false;
+  int64_t cursor = 0;
+  std::vector<std::vector<ChunkId>> plan_rec;
+  std::vector<offload::CopyTicket> prefetches;
+  int64_t replans = 0;
 
   bool observes_all_ops() const override { return recorder && recorder->recording; }
   bool tracing() const { return recorder && recorder->recording; }
@@ -243,6 +252,7 @@ struct Engine::Impl : OpObserver {
       chunks.push_back(c);
       needed += mgr->chunk(c).alloc_bytes();
     }
+    if (planner != nullptr && in_step) follow_plan(op, chunks);
     const uint64_t budget = mgr->tier_stats(Tier::kDevice).budget;
     STRATA_CHECK(needed <= budget, "operator ", op.schema().name(), " on parameter '", params[ids.front()].name,
                  "' needs ", format_bytes(needed), " of parameter chunks on the device tier at once (", chunks.size(),
@@ -260,6 +270,82 @@ struct Engine::Impl : OpObserver {
       for (const auto& [c, s] : pinned) mgr->transition(c, s, TensorState::kHold);
       throw;
     }
+    if (planner != nullptr && in_step && !planning && !diverged) prefetch_upcoming();
+  }
+
+  // Moves the plan's cursor to this operator, or records it while planning;
+  // an operator that is not the plan's next one ends the plan for this step.
+  void follow_plan(const c10::OperatorHandle& op, const std::vector<ChunkId>& chunks) {
+    if (planning) {
+      plan_rec.push_back(chunks);
+    } else if (!diverged) {
+      if (planner->plan_op(cursor) != chunks) {
+        diverged = true;
+        planner->set_cursor(-1);
+        STRATA_LOG(kInfo, "operator #{} ({}) is not the planned one: LRU for the rest of this step, re-planning "
+                   "next step", cursor, op.schema().name());
+      } else {
+        planner->set_cursor(cursor);
+      }
+    }
+    cursor += 1;
+  }
+
+  // Starts moves to the device of the chunks the next operators use, only
+  // when all of them fit in the device tier's free bytes and no earlier
+  // prefetch is still queued (its bytes are reserved only when it starts): a
+  // prefetch must never cause an eviction, or it could move more than LRU.
+  static constexpr int kLookaheadOps = 4;
+  void prefetch_upcoming() {
+    for (const auto& t : prefetches) {
+      if (!offload::CopyEngine::test(t)) return;
+    }
+    std::vector<ChunkId> wanted;
+    uint64_t bytes = 0;
+    for (int64_t k = cursor; k < cursor + kLookaheadOps; ++k) {
+      for (ChunkId c : planner->plan_op(k)) {
+        const memory::Chunk& chunk = mgr->chunk(c);
+        if (chunk.resident_on(Tier::kDevice) || !chunk.location()) continue;
+        if (std::find(wanted.begin(), wanted.end(), c) != wanted.end()) continue;
+        wanted.push_back(c);
+        bytes += chunk.alloc_bytes();
+      }
+    }
+    const memory::TierStats dev = mgr->tier_stats(Tier::kDevice);
+    if (wanted.empty() || dev.used + bytes > dev.budget) return;
+    for (ChunkId c : wanted) prefetches.push_back(mgr->prefetch(c, Tier::kDevice));
+  }
+
+  void begin_plan_step() {
+    in_step = true;
+    cursor = 0;
+    diverged = false;
+    if (planning) plan_rec.clear();
+  }
+
+  // After backward: a recorded plan takes effect; a step that diverged, or
+  // ended before the plan did, records a new one next time.
+  void end_plan_step() {
+    in_step = false;
+    for (auto& t : prefetches) {
+      try {
+        offload::CopyEngine::wait(t);
+      } catch (const std::exception& e) {
+        STRATA_LOG(kDebug, "prefetch failed, the operator's own access retried it: {}", e.what());
+      }
+    }
+    prefetches.clear();
+    if (planner == nullptr) return;
+    if (planning) {
+      planner->set_plan(std::move(plan_rec));
+      plan_rec.clear();
+      planning = false;
+    } else if (diverged || cursor != static_cast<int64_t>(planner->plan_size())) {
+      planner->clear_plan();
+      planning = true;
+      replans += 1;
+    }
+    planner->set_cursor(static_cast<int64_t>(planner->plan_size()));  // the optimizer step: next step's order
   }
 
   void after_op(const c10::OperatorHandle&, const std::vector<int64_t>& ids) override {
@@ -577,6 +663,11 @@ Engine::Engine(torch::nn::Module& module, AdamWConfig optimizer, EngineOptions o
     no.capacity = options.budgets.nvme;
     mo.nvme = std::make_shared<memory::NvmeSwapStore>(no);
   }
+  if (options.policy == "auto") {
+    auto planner = std::make_unique<memory::TracePolicy>();
+    s.planner = planner.get();
+    mo.policy = std::move(planner);
+  }
   s.mgr = std::make_unique<memory::ChunkManager>(std::move(mo));
   s.device = s.mgr->device().kind() == offload::DeviceKind::kCuda ? torch::Device(torch::kCUDA) : torch::Device(torch::kCPU);
 
@@ -686,6 +777,7 @@ StepResult Engine::train_step(const std::function<torch::Tensor()>& loss_fn) {
   StepResult r;
   r.loss_scale = s.scale;
   s.begin_traced_step();
+  s.begin_plan_step();
   {
     OpHook::Scope scope(*s.hook);
     torch::Tensor loss = loss_fn();
@@ -698,6 +790,7 @@ StepResult Engine::train_step(const std::function<torch::Tensor()>& loss_fn) {
       loss.backward();
     }
   }
+  s.end_plan_step();
   if (++s.micro_steps % s.options.grad_accumulation == 0) {
     if (s.tracing()) {
       s.recorder->phase = "optimizer";
@@ -712,6 +805,7 @@ StepResult Engine::train_step(const std::function<torch::Tensor()>& loss_fn) {
 }
 
 torch::Tensor Engine::run(const std::function<torch::Tensor()>& fn) {
+  if (impl_->planner != nullptr) impl_->planner->set_cursor(-1);  // not the planned sequence: LRU
   OpHook::Scope scope(*impl_->hook);
   torch::NoGradGuard no_grad;
   torch::Tensor out = fn();
@@ -726,6 +820,7 @@ void Engine::zero_grad() {
 torch::ScalarType Engine::compute_dtype() const { return impl_->compute; }
 double Engine::loss_scale() const { return impl_->scale; }
 int64_t Engine::skipped_steps() const { return impl_->skipped; }
+int64_t Engine::replans() const { return impl_->replans; }
 memory::ChunkManager& Engine::chunks() { return *impl_->mgr; }
 memory::TierStats Engine::tier_stats(memory::Tier tier) const { return impl_->mgr->tier_stats(tier); }
 memory::MoveStats Engine::move_stats() const { return impl_->mgr->move_stats(); }

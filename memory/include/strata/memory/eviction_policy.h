@@ -5,10 +5,13 @@
 // budget) and *which chunks may go* (resident on the tier, no tensor in
 // COMPUTE, not part of the move in progress); the policy only picks among
 // those candidates. It is told of every access and arrival so that it can
-// keep its own order. LRU is the default; the trace-driven policy (Belady over
-// a recorded trace) arrives with the tracer issue.
+// keep its own order. LruPolicy orders by last access; TracePolicy evicts the
+// chunk whose next use in a recorded operator sequence is furthest away
+// (Belady), falling back to LRU without a plan.
 
+#include <atomic>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <unordered_map>
 #include <vector>
@@ -44,6 +47,46 @@ class LruPolicy final : public EvictionPolicy {
  private:
   uint64_t clock_ = 0;
   std::unordered_map<ChunkId, uint64_t> last_access_;
+};
+
+// Note [Belady over the recorded operator sequence]
+// The engine records, during a warm-up step, the chunks each operator that
+// touches parameters uses, in order: the plan. A training step repeats it, so
+// the next use of every chunk is known: for a chunk used by operators u1 < u2
+// < ... of an n-operator step, seen at operator k, the next use is the first
+// ui > k, or u1 + n (the next step) when there is none. Evicting the candidate
+// whose next use is furthest away is Belady's rule, optimal in misses for
+// equal-sized chunks; a chunk the plan never uses goes first. The engine moves
+// the cursor (set_cursor) before each operator, clears the plan when the
+// operator sequence diverges from it (another sequence length, another
+// branch), and records a new one; without a plan, or for other tiers than the
+// device, the policy is LRU.
+class TracePolicy final : public EvictionPolicy {
+ public:
+  const char* name() const noexcept override { return "auto"; }
+  void on_access(ChunkId chunk, Tier tier) override;
+  void on_leave(ChunkId chunk, Tier tier) override;
+  ChunkId choose_victim(Tier tier, const std::vector<ChunkId>& candidates) override;
+
+  /// `ops[k]` are the chunks operator k of a step uses.
+  void set_plan(std::vector<std::vector<ChunkId>> ops);
+  void clear_plan();
+  bool has_plan() const;
+  size_t plan_size() const;
+  /// The chunks operator `op` of the plan uses (empty past the end or without a plan).
+  std::vector<ChunkId> plan_op(int64_t op) const;
+  /// Operator `op` is about to run; -1: outside a planned step (LRU).
+  void set_cursor(int64_t op) { cursor_.store(op, std::memory_order_relaxed); }
+  /// Operators from the cursor to `chunk`'s next use; INT64_MAX when the plan never uses it.
+  int64_t next_use(ChunkId chunk, int64_t cursor) const;
+
+ private:
+  int64_t next_use_locked(ChunkId chunk, int64_t cursor) const;
+  LruPolicy lru_;
+  mutable std::mutex mu_;
+  std::vector<std::vector<ChunkId>> plan_;
+  std::unordered_map<ChunkId, std::vector<int64_t>> uses_;
+  std::atomic<int64_t> cursor_{-1};
 };
 
 }  // namespace strata::memory

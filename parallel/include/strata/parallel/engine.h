@@ -62,6 +62,8 @@ class Engine {
   torch::ScalarType compute_dtype() const;
   double loss_scale() const;
   int64_t skipped_steps() const;
+  /// Times the operator sequence diverged from the "auto" policy's plan and was planned again.
+  int64_t replans() const;
 
   memory::ChunkManager& chunks();
   memory::TierStats tier_stats(memory::Tier tier) const;

@@ -44,6 +44,11 @@ struct EngineOptions {
   /// Record a memory trace (memory/trace.h, docs/trace.md) of the first
   /// `trace_steps` training steps and write it here; empty: no trace.
   std::string trace_path;
+  /// Device eviction and prefetch: "auto" plans from the operator sequence of
+  /// a warm-up step (Belady eviction, prefetch of the next operators' chunks,
+  /// re-planning when the sequence changes); "lru": least recently used, no
+  /// prefetch.
+  std::string policy = "auto";
   int trace_steps = 2;
 
   /// `base` with every option the environment sets replaced:
@@ -51,7 +56,7 @@ struct EngineOptions {
   /// as "512MiB"), STRATA_NVME_DIR, STRATA_PRECISION (fp32|bf16|fp16),
   /// STRATA_CHUNK_ELEMS, STRATA_CLIP_NORM, STRATA_GRAD_ACCUMULATION,
   /// STRATA_NVME_OPTIM_FRACTION, STRATA_LOSS_SCALE (initial scale),
-  /// STRATA_TRACE (trace path), STRATA_TRACE_STEPS. A value
+  /// STRATA_TRACE (trace path), STRATA_TRACE_STEPS, STRATA_POLICY. A value
   /// that does not parse is an error naming the variable.
   static EngineOptions from_env(EngineOptions base);
   /// Checks every option; throws strata::Error saying what to change.
