@@ -1,7 +1,8 @@
 // `strata bench step`: one training step of examples/gpt's model, plain
 // LibTorch with everything resident (the baseline) against strata with the
 // device budget at 100%, 50% and 25% of the model state, and with the
-// optimizer state on NVMe, all measured in the same run.
+// optimizer state on NVMe, all measured in the same run. The strata rows use
+// the auto policy; one row at 25% uses LRU, to show what planning saves.
 #include <unistd.h>
 
 #include <algorithm>
@@ -107,7 +108,7 @@ Row run_baseline(const GptConfig& mc, const Batches& data, const StepBenchOption
 }
 
 Row run_strata(const GptConfig& mc, const Batches& data, const StepBenchOptions& o, double device_fraction,
-               bool nvme) {
+               bool nvme, const std::string& policy = "auto") {
   torch::manual_seed(0);
   Gpt model(mc);
   const DType precision = parse_dtype(o.precision);
@@ -116,6 +117,7 @@ Row run_strata(const GptConfig& mc, const Batches& data, const StepBenchOptions&
   parallel::EngineOptions eo;
   eo.precision = precision;
   eo.clip_norm = 1.0;
+  eo.policy = policy;
   eo.budgets.device = round_up(static_cast<uint64_t>(state * device_fraction), 4096);
   eo.budgets.host = round_up(state * 2, 4096);
   if (nvme) {
@@ -126,8 +128,8 @@ Row run_strata(const GptConfig& mc, const Batches& data, const StepBenchOptions&
   Row r;
   r.params = params;
   r.device_budget = eo.budgets.device;
-  r.config = fmt::format("strata {} device {:.0f}%{}", o.precision, device_fraction * 100,
-                         nvme ? ", optim state on nvme" : "");
+  r.config = fmt::format("strata {} device {:.0f}%{}{}", o.precision, device_fraction * 100,
+                         policy == "auto" ? "" : ", " + policy, nvme ? ", optim state on nvme" : "");
   std::vector<double> times;
   {
     auto engine = parallel::attach(*model, parallel::AdamWConfig{}, eo);
@@ -171,6 +173,7 @@ void run_step_bench(const StepBenchOptions& o) {
     std::vector<Row> local;
     local.push_back(run_baseline(mc, data, o));
     for (double f : {1.0, 0.5, 0.25}) local.push_back(run_strata(mc, data, o, f, false));
+    local.push_back(run_strata(mc, data, o, 0.25, false, "lru"));  // what the auto policy saves
     local.push_back(run_strata(mc, data, o, 0.25, true));
     for (Row& r : local) {
       r.size = size;
