@@ -201,8 +201,140 @@ std::string format_trace_report(const Trace& t, size_t top) {
   return out;
 }
 
-void write_trace(const Trace& trace, const std::string& path) {
-  const std::string text = trace_to_json(trace);
+std::string export_chrome_trace(const Trace& t) {
+  json events = json::array();
+  auto thread = [&](int tid, const std::string& name) {
+    events.push_back({{"ph", "M"}, {"name", "thread_name"}, {"pid", 1}, {"tid", tid}, {"args", {{"name", name}}}});
+  };
+  events.push_back({{"ph", "M"}, {"name", "process_name"}, {"pid", 1}, {"args", {{"name", "strata " + t.device}}}});
+  thread(1, "steps");
+  thread(2, "operators");
+  thread(3, "chunk moves");
+  auto us = [](double s) { return s * 1e6; };
+  for (const TraceStep& s : t.steps) {
+    const double start = s.first_op < static_cast<int64_t>(t.ops.size()) ? t.ops[s.first_op].start : 0.0;
+    events.push_back({{"ph", "X"}, {"name", fmt::format("step {}", s.index)}, {"cat", "step"}, {"pid", 1}, {"tid", 1},
+                      {"ts", us(start)}, {"dur", us(s.seconds)}});
+  }
+  for (const TraceOp& o : t.ops) {
+    json chunks = json::array();
+    for (const TraceTouch& c : o.chunks) chunks.push_back(fmt::format("{}@{}", c.chunk, c.tier));
+    events.push_back({{"ph", "X"}, {"name", o.name}, {"cat", o.phase}, {"pid", 1}, {"tid", 2}, {"ts", us(o.start)},
+                      {"dur", us(o.seconds)},
+                      {"args", {{"index", o.index}, {"chunks", chunks}, {"non_model_peak", o.non_model_peak},
+                                {"stall_seconds", o.stall_seconds}}}});
+    for (const TraceMove& m : o.moves) {
+      events.push_back({{"ph", "X"}, {"name", m.from + " -> " + m.to}, {"cat", "move"}, {"pid", 1}, {"tid", 3},
+                        {"ts", us(o.start)}, {"dur", us(o.seconds)}, {"args", {{"bytes", m.bytes}, {"chunks", m.count}}}});
+    }
+    const double end = us(o.start + o.seconds);
+    events.push_back({{"ph", "C"}, {"name", "model bytes"}, {"pid", 1}, {"ts", end}, {"args", tiers_json(o.model_bytes)}});
+    events.push_back({{"ph", "C"}, {"name", "non-model bytes"}, {"pid", 1}, {"ts", end},
+                      {"args", {{"live", o.non_model_bytes}, {"peak", o.non_model_peak}}}});
+  }
+  return json{{"traceEvents", events}, {"displayTimeUnit", "ms"}}.dump();
+}
+
+std::string xml_escape(const std::string& in) {
+  std::string out;
+  for (char c : in) {
+    switch (c) {
+      case '&': out += "&amp;"; break;
+      case '<': out += "&lt;"; break;
+      case '>': out += "&gt;"; break;
+      case '"': out += "&quot;"; break;
+      default: out += c;
+    }
+  }
+  return out;
+}
+
+std::string plot_trace_svg(const Trace& t) {
+  const double width = 1000, panel_h = 180, top = 58, left = 90, right = 20, gap = 40;
+  const double plot_w = width - left - right;
+  const double height = top + kNumTiers * (panel_h + gap) + 20;
+  const size_t n = std::max<size_t>(t.ops.size(), 1);
+  auto x_of = [&](size_t i) { return left + plot_w * static_cast<double>(i) / static_cast<double>(n); };
+  std::string svg = fmt::format(
+      "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{:.0f}\" height=\"{:.0f}\" viewBox=\"0 0 {:.0f} {:.0f}\" "
+      "font-family=\"sans-serif\" font-size=\"11\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
+      "<text x=\"{:.0f}\" y=\"22\" font-size=\"15\">strata memory trace: {} steps, {} operators, device tier {}</text>\n",
+      width, height, width, height, left, t.steps.size(), t.ops.size(), xml_escape(t.device));
+  for (int k = 0; k < kNumTiers; ++k) {
+    const double y0 = top + k * (panel_h + gap);
+    const double base = y0 + panel_h;
+    uint64_t ymax = t.budgets[k];
+    for (const TraceOp& o : t.ops) {
+      ymax = std::max(ymax, o.model_bytes[k] + (k == 0 ? o.non_model_peak : 0));
+    }
+    ymax = std::max<uint64_t>(ymax, 1);
+    auto y_of = [&](uint64_t b) { return base - panel_h * static_cast<double>(b) / static_cast<double>(ymax) * 0.95; };
+    const std::string tier = tier_name(static_cast<Tier>(k));
+    svg += fmt::format("<g class=\"panel\" id=\"{}\">\n", tier);
+    svg += fmt::format("<rect x=\"{:.1f}\" y=\"{:.1f}\" width=\"{:.1f}\" height=\"{:.1f}\" fill=\"none\" "
+                       "stroke=\"#999\"/>\n",
+                       left, y0, plot_w, panel_h);
+    svg += fmt::format("<text x=\"{:.1f}\" y=\"{:.1f}\" font-size=\"13\">{} tier</text>\n", left, y0 - 6, tier);
+    svg += fmt::format("<text x=\"{:.1f}\" y=\"{:.1f}\" text-anchor=\"end\">{}</text>\n", left - 6,
+                       y_of(ymax) + 4, format_bytes(ymax));
+    svg += fmt::format("<text x=\"{:.1f}\" y=\"{:.1f}\" text-anchor=\"end\">0</text>\n", left - 6, base);
+    // Step boundaries.
+    for (const TraceStep& s : t.steps) {
+      const double x = x_of(static_cast<size_t>(s.first_op));
+      svg += fmt::format("<line class=\"step\" x1=\"{:.1f}\" y1=\"{:.1f}\" x2=\"{:.1f}\" y2=\"{:.1f}\" "
+                         "stroke=\"#ccc\"/>\n",
+                         x, y0, x, base);
+    }
+    // Operators during which chunks left or arrived on this tier.
+    for (size_t i = 0; i < t.ops.size(); ++i) {
+      bool moved = false;
+      for (const TraceMove& m : t.ops[i].moves) moved = moved || m.from == tier || m.to == tier;
+      if (moved) {
+        svg += fmt::format("<line class=\"move\" x1=\"{:.1f}\" y1=\"{:.1f}\" x2=\"{:.1f}\" y2=\"{:.1f}\" "
+                           "stroke=\"#e8a33d\" stroke-width=\"1\"/>\n",
+                           x_of(i), base, x_of(i), base + 6);
+      }
+    }
+    auto series = [&](const char* cls, const char* color, auto value) {
+      std::string pts;
+      for (size_t i = 0; i < t.ops.size(); ++i) {
+        pts += fmt::format("{:.1f},{:.1f} {:.1f},{:.1f} ", x_of(i), y_of(value(t.ops[i])), x_of(i + 1),
+                           y_of(value(t.ops[i])));
+      }
+      svg += fmt::format("<polyline class=\"{}\" fill=\"none\" stroke=\"{}\" stroke-width=\"1.5\" points=\"{}\"/>\n",
+                         cls, color, pts);
+    };
+    if (k == 0) {
+      series("non-model", "#c44e52", [&](const TraceOp& o) { return o.model_bytes[0] + o.non_model_peak; });
+    }
+    series("model", "#4c72b0", [&](const TraceOp& o) { return o.model_bytes[k]; });
+    if (t.budgets[k] > 0) {
+      svg += fmt::format("<line class=\"budget\" x1=\"{:.1f}\" y1=\"{:.1f}\" x2=\"{:.1f}\" y2=\"{:.1f}\" "
+                         "stroke=\"#222\" stroke-dasharray=\"6,4\"/>\n"
+                         "<text x=\"{:.1f}\" y=\"{:.1f}\" text-anchor=\"end\">budget {}</text>\n",
+                         left, y_of(t.budgets[k]), left + plot_w, y_of(t.budgets[k]), left + plot_w - 4,
+                         y_of(t.budgets[k]) - 4, format_bytes(t.budgets[k]));
+    }
+    svg += "</g>\n";
+  }
+  const double ly = height - 8;
+  svg += fmt::format(
+      "<g class=\"legend\"><line x1=\"{0:.0f}\" y1=\"{1:.0f}\" x2=\"{2:.0f}\" y2=\"{1:.0f}\" stroke=\"#4c72b0\" "
+      "stroke-width=\"2\"/><text x=\"{3:.0f}\" y=\"{4:.0f}\">model bytes</text>"
+      "<line x1=\"{5:.0f}\" y1=\"{1:.0f}\" x2=\"{6:.0f}\" y2=\"{1:.0f}\" stroke=\"#c44e52\" stroke-width=\"2\"/>"
+      "<text x=\"{7:.0f}\" y=\"{4:.0f}\">model + non-model (device)</text>"
+      "<line x1=\"{8:.0f}\" y1=\"{1:.0f}\" x2=\"{9:.0f}\" y2=\"{1:.0f}\" stroke=\"#e8a33d\" stroke-width=\"2\"/>"
+      "<text x=\"{10:.0f}\" y=\"{4:.0f}\">chunk moves</text>"
+      "<text x=\"{11:.0f}\" y=\"{4:.0f}\">x: operator index; grey lines: steps; dashed: budget</text></g>\n",
+      left, ly - 4, left + 20, left + 25, ly, left + 120, left + 140, left + 145, left + 320, left + 340, left + 345,
+      left + 450);
+  svg += "</svg>\n";
+  return svg;
+}
+
+void write_trace(const Trace& trace, const std::string& path) { write_text_file(trace_to_json(trace), path); }
+
+void write_text_file(const std::string& text, const std::string& path) {
   const std::string tmp = path + ".tmp." + std::to_string(::getpid());
   FILE* f = std::fopen(tmp.c_str(), "wb");
   STRATA_CHECK(f != nullptr, "cannot write the trace to ", tmp, ": ", std::strerror(errno));

@@ -26,7 +26,7 @@ packages=(
   g++ cmake ninja-build ccache pkg-config
   libtorch-dev libopenblas0-pthread libgloo-dev libhwloc-dev liburing-dev libjemalloc-dev
   nlohmann-json3-dev libcli11-dev libfmt-dev libxxhash-dev
-  googletest libgtest-dev libgmock-dev libbenchmark-dev fio fortunes-min
+  googletest libgtest-dev libgmock-dev libbenchmark-dev fio fortunes-min libxml2-utils
 )
 missing=()
 for p in "${packages[@]}"; do

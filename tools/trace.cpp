@@ -2,6 +2,8 @@
 //
 //   strata trace record [-o strata-trace.json] [--steps 2] -- PROGRAM ARGS...
 //   strata trace report TRACE [--top 10]
+//   strata trace plot TRACE -o mem.svg
+//   strata trace export TRACE --chrome out.json
 //
 // record runs PROGRAM with STRATA_TRACE and STRATA_TRACE_STEPS set, which any
 // program using the engine honours (EngineOptions::from_env), and checks the
@@ -79,6 +81,28 @@ void add_trace_command(CLI::App& app) {
   rep->add_option("trace", *path, "a trace written by strata trace record or STRATA_TRACE")->required();
   rep->add_option("--top", *top, "operators to list by non-model memory");
   rep->callback([path, top] { fmt::print("{}", memory::format_trace_report(memory::read_trace(*path), *top)); });
+
+  auto* plot = trace->add_subcommand("plot", "Draw memory per tier over the operators as a self-contained SVG");
+  auto ppath = std::make_shared<std::string>();
+  auto pout = std::make_shared<std::string>("strata-trace.svg");
+  plot->add_option("trace", *ppath, "a trace")->required();
+  plot->add_option("-o,--out", *pout, "the SVG to write");
+  plot->callback([ppath, pout] {
+    const memory::Trace t = memory::read_trace(*ppath);
+    memory::write_text_file(memory::plot_trace_svg(t), *pout);
+    fmt::print("wrote {} ({} operators)\n", *pout, t.ops.size());
+  });
+
+  auto* exp = trace->add_subcommand("export", "Convert a trace for other viewers");
+  auto epath = std::make_shared<std::string>();
+  auto chrome = std::make_shared<std::string>();
+  exp->add_option("trace", *epath, "a trace")->required();
+  exp->add_option("--chrome", *chrome, "Chrome trace event JSON to write (opens in Perfetto)")->required();
+  exp->callback([epath, chrome] {
+    const memory::Trace t = memory::read_trace(*epath);
+    memory::write_text_file(memory::export_chrome_trace(t), *chrome);
+    fmt::print("wrote {} ({} operators)\n", *chrome, t.ops.size());
+  });
 }
 
 }  // namespace strata::tools

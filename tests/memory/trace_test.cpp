@@ -7,6 +7,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 
 #include "strata/core/error.h"
 
@@ -98,6 +99,40 @@ TEST(Trace, ReportSumsMovesStallsAndPadding) {
   EXPECT_EQ(r.find("aten::addmm                          forward"), std::string::npos) << "only the top 1";
   // 1000 fp32 of 4096 bytes and 2048 bf16 of 4096 bytes: 8096 of 8192 used.
   EXPECT_NE(r.find("8.00 KiB allocated, 98.8% used by tensors, 96 B padding"), std::string::npos) << r;
+}
+
+TEST(Trace, ChromeExportHasOperatorsMovesAndCounters) {
+  const nlohmann::json j = nlohmann::json::parse(export_chrome_trace(sample()));
+  int ops = 0, moves = 0, counters = 0, steps = 0;
+  for (const auto& e : j.at("traceEvents")) {
+    const std::string ph = e.at("ph");
+    if (ph == "X" && e.at("tid") == 2) ops += 1;
+    if (ph == "X" && e.at("tid") == 3) moves += 1;
+    if (ph == "X" && e.at("tid") == 1) steps += 1;
+    if (ph == "C" && e.at("name") == "model bytes") {
+      counters += 1;
+      EXPECT_EQ(e.at("args").at("device"), 4096);
+    }
+  }
+  EXPECT_EQ(ops, 2);
+  EXPECT_EQ(moves, 3) << "one slice per tier pair per operator";
+  EXPECT_EQ(steps, 1);
+  EXPECT_EQ(counters, 2);
+}
+
+TEST(Trace, SvgHasAPanelPerTierWithSeriesAndBudgets) {
+  Trace t = sample();
+  t.device = "a <device> & co";
+  const std::string svg = plot_trace_svg(t);
+  EXPECT_EQ(svg.rfind("<svg xmlns=\"http://www.w3.org/2000/svg\"", 0), 0u);
+  for (const char* id : {"id=\"device\"", "id=\"host\"", "id=\"nvme\"", "class=\"model\"", "class=\"non-model\"",
+                         "class=\"budget\"", "class=\"move\"", "class=\"step\""}) {
+    EXPECT_NE(svg.find(id), std::string::npos) << id;
+  }
+  EXPECT_NE(svg.find("a &lt;device&gt; &amp; co"), std::string::npos) << "text is escaped";
+  EXPECT_EQ(svg.find("<device>"), std::string::npos);
+  EXPECT_NE(svg.find("budget 4.00 KiB"), std::string::npos);
+  EXPECT_EQ(svg.substr(svg.size() - 7), "</svg>\n");
 }
 
 }  // namespace

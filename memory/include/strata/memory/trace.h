@@ -82,9 +82,21 @@ Trace trace_from_json(const std::string& text);
 /// utilisation (padding waste).
 std::string format_trace_report(const Trace& trace, size_t top = 10);
 
+/// Chrome trace event format (loads in Perfetto and chrome://tracing):
+/// operators as slices per phase, steps, chunk moves as slices on a track of
+/// their own, and counters of model bytes per tier and non-model bytes.
+std::string export_chrome_trace(const Trace& trace);
+
+/// A self-contained SVG: model bytes per tier and non-model bytes over the
+/// operator index, one panel per tier, with the budget lines, step
+/// boundaries and the operators during which chunks moved marked.
+std::string plot_trace_svg(const Trace& trace);
+
 /// Writes to `path` through a temporary file and a rename: a reader never
 /// sees half a trace. I/O errors are strata::Error naming the path.
 void write_trace(const Trace& trace, const std::string& path);
+/// The same atomic write for any text (the SVG and Chrome exports).
+void write_text_file(const std::string& text, const std::string& path);
 Trace read_trace(const std::string& path);
 
 }  // namespace strata::memory
