@@ -2,6 +2,7 @@
 //
 //   strata trace record [-o strata-trace.json] [--steps 2] -- PROGRAM ARGS...
 //   strata trace report TRACE [--top 10]
+//   strata trace simulate TRACE --device-budget B [--policy lru|auto] [--bandwidth h2d=10,d2h=10] [--sweep]
 //   strata trace plot TRACE -o mem.svg
 //   strata trace export TRACE --chrome out.json
 //
@@ -18,6 +19,7 @@
 #include <memory>
 
 #include "commands.h"
+#include "strata/core/bytes.h"
 #include "strata/core/error.h"
 #include "strata/memory/trace.h"
 
@@ -62,6 +64,79 @@ void record(const RecordOptions& o) {
   fmt::print("strata trace: {} steps, {} operators recorded to {}\n", t.steps.size(), t.ops.size(), out);
 }
 
+struct SimOptions {
+  std::string trace;
+  std::string device_budget;
+  std::vector<std::string> policies = {"lru", "auto"};
+  std::vector<std::string> bandwidth;  // h2d=GB/s, d2h=GB/s
+  bool sweep = false;
+};
+
+void simulate(const SimOptions& o) {
+  const memory::Trace t = memory::read_trace(o.trace);
+  memory::SimulateOptions so;
+  for (const std::string& b : o.bandwidth) {
+    const auto eq = b.find('=');
+    STRATA_CHECK(eq != std::string::npos, "--bandwidth takes h2d=GB/s,d2h=GB/s, got \"", b, "\"");
+    double v = 0;
+    try {
+      v = std::stod(b.substr(eq + 1)) * 1e9;
+    } catch (const std::exception&) {
+      STRATA_FAIL("--bandwidth ", b, ": not a number of GB/s");
+    }
+    STRATA_CHECK(v > 0, "--bandwidth ", b, ": must be positive");
+    const std::string key = b.substr(0, eq);
+    if (key == "h2d") {
+      so.h2d_bytes_per_s = v;
+    } else if (key == "d2h") {
+      so.d2h_bytes_per_s = v;
+    } else {
+      STRATA_FAIL("--bandwidth ", b, ": the keys are h2d and d2h");
+    }
+  }
+  const auto [widest, all] = memory::trace_device_bounds(t);
+  std::vector<uint64_t> budgets;
+  if (!o.device_budget.empty()) budgets.push_back(parse_bytes(o.device_budget));
+  if (o.sweep) {
+    for (int i = 0; i <= 8; ++i) {
+      budgets.push_back(round_up(widest + (all - std::min(all, widest)) * i / 8, 4096));
+    }
+  }
+  STRATA_CHECK(!budgets.empty(), "give --device-budget, --sweep, or both");
+  so.device_budget = round_up(std::max(all, widest), 4096);
+  so.policy = "lru";
+  const double resident = memory::simulate_trace(t, so).step_seconds;
+  fmt::print("strata trace simulate: {} ({} steps); device bytes an operator needs at once {}, all parameter "
+             "chunks {}; all resident {:.2f} ms per step\n",
+             o.trace, t.steps.size(), format_bytes(widest), format_bytes(all), resident * 1e3);
+  fmt::print("{:>12} {:>6} {:>12} {:>12} {:>9} {:>10} {:>7}\n", "device", "policy", "h2d", "d2h", "evictions",
+             "step ms", "ratio");
+  uint64_t recommended = 0;
+  for (uint64_t b : budgets) {
+    for (const std::string& policy : o.policies) {
+      so.device_budget = b;
+      so.policy = policy;
+      const memory::SimulateResult r = memory::simulate_trace(t, so);
+      if (!r.fits) {
+        fmt::print("{:>12} {:>6} does not fit: {}\n", format_bytes(b), policy, r.why);
+        continue;
+      }
+      fmt::print("{:>12} {:>6} {:>12} {:>12} {:>9} {:>10.2f} {:>6.2f}x\n", format_bytes(b), policy,
+                 format_bytes(r.h2d_bytes), format_bytes(r.d2h_bytes), r.evictions, r.step_seconds * 1e3,
+                 r.step_seconds / resident);
+      if (o.sweep && r.step_seconds <= 1.1 * resident && (recommended == 0 || b < recommended)) recommended = b;
+    }
+  }
+  if (o.sweep) {
+    if (recommended > 0) {
+      fmt::print("recommended device budget: {} (predicted step within 10% of all resident)\n",
+                 format_bytes(recommended));
+    } else {
+      fmt::print("no swept budget is predicted within 10% of all resident\n");
+    }
+  }
+}
+
 }  // namespace
 
 void add_trace_command(CLI::App& app) {
@@ -81,6 +156,15 @@ void add_trace_command(CLI::App& app) {
   rep->add_option("trace", *path, "a trace written by strata trace record or STRATA_TRACE")->required();
   rep->add_option("--top", *top, "operators to list by non-model memory");
   rep->callback([path, top] { fmt::print("{}", memory::format_trace_report(memory::read_trace(*path), *top)); });
+
+  auto* sim = trace->add_subcommand("simulate", "Predict device traffic and step time under other budgets and policies");
+  auto so = std::make_shared<SimOptions>();
+  sim->add_option("trace", so->trace, "a trace")->required();
+  sim->add_option("--device-budget", so->device_budget, "device budget to predict, e.g. 8MiB");
+  sim->add_option("--policy", so->policies, "lru, auto or both (default both)")->delimiter(',');
+  sim->add_option("--bandwidth", so->bandwidth, "h2d=GB/s,d2h=GB/s (default 10 each)")->delimiter(',');
+  sim->add_flag("--sweep", so->sweep, "try budgets from the widest operator to everything resident; recommend one");
+  sim->callback([so] { simulate(*so); });
 
   auto* plot = trace->add_subcommand("plot", "Draw memory per tier over the operators as a self-contained SVG");
   auto ppath = std::make_shared<std::string>();

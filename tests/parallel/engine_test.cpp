@@ -436,6 +436,55 @@ TEST(Engine, DivergingOperatorSequenceReplansAndStaysCorrect) {
   }
 }
 
+// Note [Replaying a trace]: a trace recorded with the device budget at half
+// the model state predicts the host <-> device traffic of a run at a fifth
+// within 5%, for both policies.
+TEST(Engine, SimulatedTrafficAgreesWithARealRunAtAnotherBudget) {
+  const std::string path =
+      (std::filesystem::temp_directory_path() / ("strata-sim-trace-" + std::to_string(::getpid()) + ".json")).string();
+  auto make = [] {
+    torch::manual_seed(31);
+    return torch::nn::Sequential(torch::nn::Linear(32, 64), torch::nn::ReLU(), torch::nn::Linear(64, 64),
+                                 torch::nn::ReLU(), torch::nn::Linear(64, 64), torch::nn::ReLU(),
+                                 torch::nn::Linear(64, 8));
+  };
+  auto run = [&](const std::string& policy, double fraction, const std::string& trace) {
+    auto model = make();
+    int64_t params = 0;
+    for (const auto& p : model->parameters()) params += p.numel();
+    EngineOptions o;
+    o.budgets = {static_cast<uint64_t>(params * 16 * fraction) / 4096 * 4096, 1 << 20, 0};
+    o.chunk_elems = 1024;
+    o.policy = policy;
+    o.trace_path = trace;
+    auto engine = attach(*model, AdamWConfig{}, o);
+    torch::manual_seed(32);
+    for (int s = 0; s < 2; ++s) {
+      const torch::Tensor x = torch::randn({16, 32}), y = torch::randn({16, 8});
+      engine->train_step([&] { return torch::mse_loss(model->forward(x), y); });
+    }
+    const memory::MoveStats m = engine->move_stats();
+    return std::make_tuple(m.bytes[1][0] + m.bytes[2][0], m.bytes[0][1] + m.bytes[0][2], o.budgets.device);
+  };
+  for (const std::string policy : {"lru", "auto"}) {
+    run(policy, 0.5, path);
+    const memory::Trace t = memory::read_trace(path);
+    const auto [h2d, d2h, budget] = run(policy, 0.2, "");
+    memory::SimulateOptions so;
+    so.device_budget = budget;
+    so.policy = policy;
+    const memory::SimulateResult r = memory::simulate_trace(t, so);
+    ASSERT_TRUE(r.fits) << r.why;
+    EXPECT_NEAR(static_cast<double>(r.h2d_bytes), static_cast<double>(h2d), 0.05 * h2d) << policy;
+    EXPECT_NEAR(static_cast<double>(r.d2h_bytes), static_cast<double>(d2h), 0.05 * d2h) << policy;
+    std::printf("%s at %llu bytes: predicted h2d %llu d2h %llu, measured h2d %llu d2h %llu\n", policy.c_str(),
+                static_cast<unsigned long long>(budget), static_cast<unsigned long long>(r.h2d_bytes),
+                static_cast<unsigned long long>(r.d2h_bytes), static_cast<unsigned long long>(h2d),
+                static_cast<unsigned long long>(d2h));
+  }
+  std::filesystem::remove(path);
+}
+
 TEST(EngineOptions, FromEnvironment) {
   ::setenv("STRATA_DEVICE_BUDGET", "64MiB", 1);
   ::setenv("STRATA_HOST_BUDGET", "1GiB", 1);

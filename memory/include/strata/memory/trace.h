@@ -100,3 +100,41 @@ void write_text_file(const std::string& text, const std::string& path);
 Trace read_trace(const std::string& path);
 
 }  // namespace strata::memory
+
+namespace strata::memory {
+
+/// Note [Replaying a trace]
+/// simulate_trace() replays the traced operators against another device
+/// budget and policy: each operator's parameter chunks must be on the device
+/// together (those already placed for it are pinned), a chunk that is not
+/// there comes from host, room is made by evicting one chunk at a time (LRU:
+/// least recently used; auto: the chunk whose next use in the trace is
+/// furthest, Belady), and the optimizer step takes every parameter chunk to
+/// host, as the engine's step does. It predicts the host <-> device traffic
+/// only: host <-> nvme traffic is the trace's own, and the engine's prefetch is
+/// not modelled (it moves the same chunks earlier). Step time is the traced
+/// compute time (step time less the traced device moves at the given
+/// bandwidths) plus the predicted moves at those bandwidths.
+struct SimulateOptions {
+  uint64_t device_budget = 0;
+  std::string policy = "lru";  // lru or auto
+  double h2d_bytes_per_s = 10e9;
+  double d2h_bytes_per_s = 10e9;
+};
+
+struct SimulateResult {
+  uint64_t device_budget = 0;
+  bool fits = true;            // every operator's chunks fit the budget together
+  std::string why;             // when not: the operator and the bytes it needs
+  uint64_t h2d_bytes = 0, d2h_bytes = 0;
+  uint64_t h2d_count = 0, d2h_count = 0;
+  uint64_t evictions = 0;
+  double step_seconds = 0.0;   // predicted, mean over the traced steps
+};
+
+SimulateResult simulate_trace(const Trace& trace, const SimulateOptions& options);
+/// The device bytes every operator needs at once (the smallest budget that
+/// fits) and all parameter chunks together (everything resident).
+std::pair<uint64_t, uint64_t> trace_device_bounds(const Trace& trace);
+
+}  // namespace strata::memory
