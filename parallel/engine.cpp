@@ -189,6 +189,11 @@ struct Engine::Impl : OpObserver {
   std::vector<std::vector<ChunkId>> plan_rec;
   std::vector<offload::CopyTicket> prefetches;
   int64_t replans = 0;
+  Engine::DataWait wait;
+  using Clock = std::chrono::steady_clock;
+  static double seconds_since(Clock::time_point t) {
+    return std::chrono::duration<double>(Clock::now() - t).count();
+  }
 
   bool observes_all_ops() const override { return recorder && recorder->recording; }
   bool tracing() const { return recorder && recorder->recording; }
@@ -259,6 +264,7 @@ struct Engine::Impl : OpObserver {
                  " chunks), more than the device budget of ", format_bytes(budget),
                  "; raise the device budget or lower the chunk size");
     std::vector<std::pair<ChunkId, size_t>> pinned;
+    const auto waited_from = Clock::now();
     try {
       for (int64_t id : ids) {
         const Param& p = params[id];
@@ -270,7 +276,8 @@ struct Engine::Impl : OpObserver {
       for (const auto& [c, s] : pinned) mgr->transition(c, s, TensorState::kHold);
       throw;
     }
-    if (planner != nullptr && in_step && !planning && !diverged) prefetch_upcoming();
+    wait.operators += seconds_since(waited_from);
+    if (planner != nullptr && in_step && !planning && !diverged && options.prefetch) prefetch_upcoming();
   }
 
   // Moves the plan's cursor to this operator, or records it while planning;
@@ -482,8 +489,12 @@ struct Engine::Impl : OpObserver {
       const ChunkId gc = mgr->family(families[i]).grad;
       if (mgr->chunk(gc).location()) {  // never materialised: no gradient, zero
         const auto slots = all_slots(gc);
+        const auto waited_from = Clock::now();
         pin(gc, Tier::kHost, slots);
-        if (i + 1 < families.size()) read_ahead({mgr->family(families[i + 1]).grad}, ahead, /*only_into_free=*/true);
+        wait.optimizer += seconds_since(waited_from);
+        if (i + 1 < families.size() && options.prefetch) {
+          read_ahead({mgr->family(families[i + 1]).grad}, ahead, /*only_into_free=*/true);
+        }
         total.merge(kernels::grad_stats(mgr->data(gc), options.precision, mgr->chunk(gc).capacity_elems()));
         unpin(gc, slots);
       }
@@ -501,10 +512,12 @@ struct Engine::Impl : OpObserver {
     const auto slots = all_slots(fam.param);
     std::vector<ChunkId> pinned;
     try {
+      const auto waited_from = Clock::now();
       for (ChunkId c : members) {
         pin(c, Tier::kHost, slots);
         pinned.push_back(c);
       }
+      wait.optimizer += seconds_since(waited_from);
       pinned_hook();
       char* param = static_cast<char*>(mgr->data(fam.param));
       float* master = static_cast<float*>(mgr->data(fam.master ? *fam.master : fam.param));
@@ -568,7 +581,9 @@ struct Engine::Impl : OpObserver {
     try {
       for (size_t i = 0; i < families.size(); ++i) {
         update_family(i, static_cast<float>(multiplier), [&] {
-          if (i + 1 < families.size()) read_ahead(step_members(families[i + 1]), ahead, /*only_into_free=*/true);
+          if (i + 1 < families.size() && options.prefetch) {
+            read_ahead(step_members(families[i + 1]), ahead, /*only_into_free=*/true);
+          }
         });
         if (optim_on_nvme[i]) {
           for (ChunkId c : optim_members(families[i])) behind.push_back(mgr->prefetch(c, Tier::kNvme));
@@ -821,6 +836,7 @@ torch::ScalarType Engine::compute_dtype() const { return impl_->compute; }
 double Engine::loss_scale() const { return impl_->scale; }
 int64_t Engine::skipped_steps() const { return impl_->skipped; }
 int64_t Engine::replans() const { return impl_->replans; }
+Engine::DataWait Engine::data_wait() const { return impl_->wait; }
 memory::ChunkManager& Engine::chunks() { return *impl_->mgr; }
 memory::TierStats Engine::tier_stats(memory::Tier tier) const { return impl_->mgr->tier_stats(tier); }
 memory::MoveStats Engine::move_stats() const { return impl_->mgr->move_stats(); }

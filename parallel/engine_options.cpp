@@ -54,6 +54,10 @@ EngineOptions EngineOptions::from_env(EngineOptions base) {
   from_env_var("STRATA_NVME_OPTIM_FRACTION", [&](const std::string& v) { o.nvme_optim_fraction = parse_number(v); });
   from_env_var("STRATA_TRACE", [&](const std::string& v) { o.trace_path = v; });
   from_env_var("STRATA_TRACE_STEPS", [&](const std::string& v) { o.trace_steps = static_cast<int>(parse_integer(v)); });
+  from_env_var("STRATA_PREFETCH", [&](const std::string& v) {
+    STRATA_CHECK(v == "0" || v == "1", "\"", v, "\" is not 0 or 1");
+    o.prefetch = v == "1";
+  });
   from_env_var("STRATA_POLICY", [&](const std::string& v) { o.policy = v; });
   from_env_var("STRATA_LOSS_SCALE", [&](const std::string& v) { o.loss_scale.initial = parse_number(v); });
   o.validate();

@@ -2,7 +2,9 @@
 // LibTorch with everything resident (the baseline) against strata with the
 // device budget at 100%, 50% and 25% of the model state, and with the
 // optimizer state on NVMe, all measured in the same run. The strata rows use
-// the auto policy; one row at 25% uses LRU, to show what planning saves.
+// the auto policy; one row at 25% uses LRU, to show what planning saves, and
+// one with optimizer state on NVMe runs without read-ahead, to show what
+// prefetching saves in time spent waiting for chunks ("wait ms").
 #include <unistd.h>
 
 #include <algorithm>
@@ -46,6 +48,7 @@ struct Row {
   double ratio = 1.0;
   uint64_t moved_per_step = 0;  // bytes between tiers per step
   uint64_t device_peak = 0;
+  double wait_ms = 0.0;  // per step: operators and optimizer waiting for chunks
   double loss = 0.0;
 };
 
@@ -108,7 +111,7 @@ Row run_baseline(const GptConfig& mc, const Batches& data, const StepBenchOption
 }
 
 Row run_strata(const GptConfig& mc, const Batches& data, const StepBenchOptions& o, double device_fraction,
-               bool nvme, const std::string& policy = "auto") {
+               bool nvme, const std::string& policy = "auto", bool prefetch = true) {
   torch::manual_seed(0);
   Gpt model(mc);
   const DType precision = parse_dtype(o.precision);
@@ -118,6 +121,7 @@ Row run_strata(const GptConfig& mc, const Batches& data, const StepBenchOptions&
   eo.precision = precision;
   eo.clip_norm = 1.0;
   eo.policy = policy;
+  eo.prefetch = prefetch;
   eo.budgets.device = round_up(static_cast<uint64_t>(state * device_fraction), 4096);
   eo.budgets.host = round_up(state * 2, 4096);
   if (nvme) {
@@ -128,14 +132,19 @@ Row run_strata(const GptConfig& mc, const Batches& data, const StepBenchOptions&
   Row r;
   r.params = params;
   r.device_budget = eo.budgets.device;
-  r.config = fmt::format("strata {} device {:.0f}%{}{}", o.precision, device_fraction * 100,
-                         policy == "auto" ? "" : ", " + policy, nvme ? ", optim state on nvme" : "");
+  r.config = fmt::format("strata {} device {:.0f}%{}{}{}", o.precision, device_fraction * 100,
+                         policy == "auto" ? "" : ", " + policy, nvme ? ", optim on nvme" : "",
+                         prefetch ? "" : ", no prefetch");
   std::vector<double> times;
   {
     auto engine = parallel::attach(*model, parallel::AdamWConfig{}, eo);
     uint64_t moved_before = 0;
+    parallel::Engine::DataWait wait_before;
     for (size_t i = 0; i < data.size(); ++i) {
-      if (static_cast<int>(i) == o.warmup) moved_before = total_moved(engine->move_stats());
+      if (static_cast<int>(i) == o.warmup) {
+        moved_before = total_moved(engine->move_stats());
+        wait_before = engine->data_wait();
+      }
       const auto t0 = std::chrono::steady_clock::now();
       const parallel::StepResult s = engine->train_step([&] { return model->loss(data[i].first, data[i].second); });
       r.loss = s.loss;
@@ -144,6 +153,8 @@ Row run_strata(const GptConfig& mc, const Batches& data, const StepBenchOptions&
       }
     }
     r.moved_per_step = (total_moved(engine->move_stats()) - moved_before) / times.size();
+    const parallel::Engine::DataWait w = engine->data_wait();
+    r.wait_ms = 1e3 * ((w.operators - wait_before.operators) + (w.optimizer - wait_before.optimizer)) / times.size();
     const mem::TierStats dev = engine->tier_stats(mem::Tier::kDevice);
     STRATA_CHECK(dev.peak <= dev.budget, "device peak ", format_bytes(dev.peak), " over its budget ",
                  format_bytes(dev.budget));
@@ -159,8 +170,8 @@ void run_step_bench(const StepBenchOptions& o) {
   if (!o.json) {
     fmt::print("strata bench step: examples/gpt's model, batch {} x context {}, median of {} steps after {} warm-up\n",
                o.batch, o.context, o.steps, o.warmup);
-    fmt::print("{:<8} {:>10} {:<42} {:>12} {:>10} {:>8} {:>12}\n", "size", "params", "configuration", "device", "step ms",
-               "ratio", "moved/step");
+    fmt::print("{:<8} {:>10} {:<46} {:>12} {:>10} {:>8} {:>12} {:>9}\n", "size", "params", "configuration", "device",
+               "step ms", "ratio", "moved/step", "wait ms");
   }
   for (const std::string& size : o.sizes) {
     const GptConfig mc = parse_size(size, o.context);
@@ -175,13 +186,15 @@ void run_step_bench(const StepBenchOptions& o) {
     for (double f : {1.0, 0.5, 0.25}) local.push_back(run_strata(mc, data, o, f, false));
     local.push_back(run_strata(mc, data, o, 0.25, false, "lru"));  // what the auto policy saves
     local.push_back(run_strata(mc, data, o, 0.25, true));
+    local.push_back(run_strata(mc, data, o, 0.25, true, "auto", /*prefetch=*/false));  // what read-ahead saves
     for (Row& r : local) {
       r.size = size;
       r.ratio = r.step_ms / local.front().step_ms;
       if (!o.json) {
-        fmt::print("{:<8} {:>10} {:<42} {:>12} {:>10.1f} {:>7.2f}x {:>12}\n", r.size, r.params, r.config,
+        fmt::print("{:<8} {:>10} {:<46} {:>12} {:>10.1f} {:>7.2f}x {:>12} {:>9}\n", r.size, r.params, r.config,
                    r.device_budget ? format_bytes(r.device_budget) : "-", r.step_ms, r.ratio,
-                   r.device_budget ? format_bytes(r.moved_per_step) : "-");
+                   r.device_budget ? format_bytes(r.moved_per_step) : "-",
+                   r.device_budget ? fmt::format("{:.1f}", r.wait_ms) : "-");
         std::fflush(stdout);
       }
       rows.push_back(r);
@@ -198,6 +211,7 @@ void run_step_bench(const StepBenchOptions& o) {
                    {"step_ms", r.step_ms},
                    {"ratio_to_baseline", r.ratio},
                    {"moved_bytes_per_step", r.moved_per_step},
+                   {"data_wait_ms_per_step", r.wait_ms},
                    {"last_loss", r.loss}});
     }
     fmt::print("{}\n", nlohmann::json{{"benchmark", "step"},

@@ -352,7 +352,7 @@ TEST(Engine, AutoPolicyMovesNoMoreThanLruWithIdenticalResults) {
     uint64_t to_device = 0;
     memory::TierStats device;
   };
-  auto train = [](const std::string& policy) {
+  auto train = [](const std::string& policy, bool prefetch = true) {
     torch::manual_seed(23);
     auto model = torch::nn::Sequential(torch::nn::Linear(32, 64), torch::nn::ReLU(), torch::nn::Linear(64, 64),
                                        torch::nn::ReLU(), torch::nn::Linear(64, 64), torch::nn::ReLU(),
@@ -363,6 +363,7 @@ TEST(Engine, AutoPolicyMovesNoMoreThanLruWithIdenticalResults) {
     o.budgets = {static_cast<uint64_t>(params) * 16 / 5, 1 << 20, 0};
     o.chunk_elems = 1024;
     o.policy = policy;
+    o.prefetch = prefetch;
     auto engine = attach(*model, AdamWConfig{}, o);
     Run r;
     torch::manual_seed(24);
@@ -379,6 +380,7 @@ TEST(Engine, AutoPolicyMovesNoMoreThanLruWithIdenticalResults) {
   const Run lru = train("lru");
   const Run planned = train("auto");
   EXPECT_EQ(planned.losses, lru.losses) << "placement must not change the arithmetic";
+  EXPECT_EQ(train("auto", /*prefetch=*/false).losses, lru.losses) << "nor must prefetching";
   EXPECT_LT(planned.to_device, lru.to_device);
   EXPECT_LE(planned.device.peak, planned.device.budget);
   std::printf("bytes moved to the device over 6 steps: lru %llu, auto %llu\n",

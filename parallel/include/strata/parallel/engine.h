@@ -62,6 +62,13 @@ class Engine {
   torch::ScalarType compute_dtype() const;
   double loss_scale() const;
   int64_t skipped_steps() const;
+  /// Seconds operators (forward and backward) and the optimizer step spent
+  /// waiting for their chunks: moves on demand and waits for moves in flight.
+  struct DataWait {
+    double operators = 0.0;
+    double optimizer = 0.0;
+  };
+  DataWait data_wait() const;
   /// Times the operator sequence diverged from the "auto" policy's plan and was planned again.
   int64_t replans() const;
 

@@ -49,6 +49,10 @@ struct EngineOptions {
   /// re-planning when the sequence changes); "lru": least recently used, no
   /// prefetch.
   std::string policy = "auto";
+  /// Read ahead: the next operators' chunks to the device (policy auto) and
+  /// the next family's chunks to host in the optimizer step. false: every
+  /// chunk moves when it is needed (for comparison; STRATA_PREFETCH=0).
+  bool prefetch = true;
   int trace_steps = 2;
 
   /// `base` with every option the environment sets replaced:
@@ -56,7 +60,8 @@ struct EngineOptions {
   /// as "512MiB"), STRATA_NVME_DIR, STRATA_PRECISION (fp32|bf16|fp16),
   /// STRATA_CHUNK_ELEMS, STRATA_CLIP_NORM, STRATA_GRAD_ACCUMULATION,
   /// STRATA_NVME_OPTIM_FRACTION, STRATA_LOSS_SCALE (initial scale),
-  /// STRATA_TRACE (trace path), STRATA_TRACE_STEPS, STRATA_POLICY. A value
+  /// STRATA_TRACE (trace path), STRATA_TRACE_STEPS, STRATA_POLICY,
+  /// STRATA_PREFETCH (0 or 1). A value
   /// that does not parse is an error naming the variable.
   static EngineOptions from_env(EngineOptions base);
   /// Checks every option; throws strata::Error saying what to change.
