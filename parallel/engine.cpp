@@ -135,7 +135,10 @@ struct TraceRecorder {
 // their storage and makes the chunk resident before the operator reads them.
 //
 // Note [The step pipeline]
-// The step visits chunk families in order. With family i pinned on host it
+// Before backward, the optimizer state on NVMe starts coming back to host,
+// family by family, as far as the host's free bytes allow after reserving
+// room for the gradient and parameter chunks (read_optimizer_state_early), so
+// those reads overlap backward. The step visits chunk families in order. With family i pinned on host it
 // starts (on the chunk manager's copy engine) the reads of family i+1's chunks
 // that are not on host, when they fit in the host tier's free bytes; after
 // updating family i it starts the write-back to NVMe of its optimizer state
@@ -481,6 +484,37 @@ struct Engine::Impl : OpObserver {
     tickets.clear();
   }
 
+  // Before backward: starts reading the optimizer state that lives on NVMe
+  // back to host, family by family in step order, while it fits in the host
+  // tier's free bytes less what backward and the step will place there
+  // (gradient and parameter chunks), so the reads overlap backward instead
+  // of the optimizer waiting for them (Note [The step pipeline]).
+  std::vector<offload::CopyTicket> early;
+  void read_optimizer_state_early() {
+    const memory::TierStats host = mgr->tier_stats(Tier::kHost);
+    uint64_t reserve = 0;
+    for (memory::FamilyId f : families) {
+      const memory::ChunkFamily& fam = mgr->family(f);
+      if (!mgr->chunk(fam.grad).resident_on(Tier::kHost)) reserve += mgr->chunk(fam.grad).alloc_bytes();
+      if (!mgr->chunk(fam.param).resident_on(Tier::kHost)) reserve += mgr->chunk(fam.param).alloc_bytes();
+    }
+    uint64_t planned = host.used + reserve;
+    for (size_t i = 0; i < families.size(); ++i) {
+      if (!optim_on_nvme[i]) continue;
+      std::vector<ChunkId> wanted;
+      uint64_t bytes = 0;
+      for (ChunkId c : optim_members(families[i])) {
+        if (mgr->chunk(c).resident_on(Tier::kNvme)) {
+          wanted.push_back(c);
+          bytes += mgr->chunk(c).alloc_bytes();
+        }
+      }
+      if (planned + bytes > host.budget) break;
+      planned += bytes;
+      for (ChunkId c : wanted) early.push_back(mgr->prefetch(c, Tier::kHost));
+    }
+  }
+
   // Global grad norm and overflow check: one read of every gradient chunk.
   kernels::GradStats grad_stats() {
     kernels::GradStats total;
@@ -570,6 +604,7 @@ struct Engine::Impl : OpObserver {
       } else {
         STRATA_LOG(kWarn, "gradients hold inf or nan in a {} run: step skipped", dtype_name(options.precision));
       }
+      settle(early);
       zero_grads();
       return false;
     }
@@ -591,10 +626,12 @@ struct Engine::Impl : OpObserver {
       }
     } catch (...) {
       settle(ahead);
+      settle(early);
       for (auto& t : behind) t.wait();
       throw;
     }
     settle(ahead);
+    settle(early);  // started before backward; the accesses above waited for them (counted) or retried them
     for (auto& t : behind) offload::CopyEngine::wait(t);  // a failed write-back is the step's error
     zero_grads();
     if (options.precision == DType::kFloat16 && ++clean_steps >= options.loss_scale.growth_interval) {
@@ -799,6 +836,7 @@ StepResult Engine::train_step(const std::function<torch::Tensor()>& loss_fn) {
     STRATA_CHECK(loss.defined() && loss.numel() == 1, "train_step's closure must return the loss as one number");
     r.loss = loss.item<double>();
     if (s.tracing()) s.recorder->phase = "backward";
+    if (s.options.prefetch && (s.micro_steps + 1) % s.options.grad_accumulation == 0) s.read_optimizer_state_early();
     if (s.scale != 1.0) {
       (loss.to(torch::kFloat32) * s.scale).backward();
     } else {
