@@ -504,6 +504,27 @@ void ChunkManager::write(ChunkId id, const void* host_src, size_t bytes) {
 
 // --- accounting ----------------------------------------------------------------
 
+uint64_t ChunkManager::set_budget(Tier tier, uint64_t bytes) {
+  STRATA_CHECK(tier != Tier::kNvme, "the nvme budget is fixed at construction");
+  Lock lock(mu_);
+  TierStats& s = stats_[static_cast<int>(tier)];
+  bytes = std::min(bytes, budgets_.of(tier));
+  while (s.used > bytes) {
+    std::vector<ChunkId> candidates;
+    for (const auto& c : chunks_) {
+      if (c->location_ == tier && c->movable() && !c->busy_) candidates.push_back(c->id_);
+    }
+    if (candidates.empty()) break;
+    Chunk& victim = chunk_locked(policy_->choose_victim(tier, candidates));
+    STRATA_LOG(kDebug, "evicting {} from {} to lower its budget to {}", victim.describe(), tier_name(tier),
+               format_bytes(bytes));
+    move_locked(victim, next_lower_tier(tier), lock);
+    s.evictions += 1;
+  }
+  s.budget = std::max(bytes, s.used);
+  return s.budget;
+}
+
 TierStats ChunkManager::tier_stats(Tier tier) const {
   std::lock_guard<std::mutex> lock(mu_);
   return stats_[static_cast<int>(tier)];

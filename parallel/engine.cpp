@@ -193,6 +193,18 @@ struct Engine::Impl : OpObserver {
   std::vector<offload::CopyTicket> prefetches;
   int64_t replans = 0;
   Engine::DataWait wait;
+  // Note [Device capacity]
+  // With EngineOptions::device_capacity, chunks and activations share the
+  // device. At every operator that touches parameters, the chunk budget is set
+  // (ChunkManager::set_budget, which evicts) to capacity x safety ratio minus
+  // the larger of the non-model bytes live now and the peak the planning step
+  // saw between this operator and the next one. When activations grow past the
+  // plan (a longer sequence, a bigger batch), the live figure is the larger
+  // and more chunks are evicted; when even the operator's own chunks no longer
+  // fit, the error says how much activation memory left how little room.
+  CpuMemoryCounter* nm_counter = nullptr;
+  std::vector<uint64_t> plan_nm_rec, plan_nm;  // non-model peak after each planned operator
+  uint64_t capacity_floor = UINT64_MAX;        // lowest chunk budget set, for tests and reports
   using Clock = std::chrono::steady_clock;
   static double seconds_since(Clock::time_point t) {
     return std::chrono::duration<double>(Clock::now() - t).count();
@@ -261,6 +273,7 @@ struct Engine::Impl : OpObserver {
       needed += mgr->chunk(c).alloc_bytes();
     }
     if (planner != nullptr && in_step) follow_plan(op, chunks);
+    if (nm_counter != nullptr) apply_capacity(op, needed);
     const uint64_t budget = mgr->tier_stats(Tier::kDevice).budget;
     STRATA_CHECK(needed <= budget, "operator ", op.schema().name(), " on parameter '", params[ids.front()].name,
                  "' needs ", format_bytes(needed), " of parameter chunks on the device tier at once (", chunks.size(),
@@ -326,11 +339,39 @@ struct Engine::Impl : OpObserver {
     for (ChunkId c : wanted) prefetches.push_back(mgr->prefetch(c, Tier::kDevice));
   }
 
+  // See Note [Device capacity].
+  void apply_capacity(const c10::OperatorHandle& op, uint64_t needed) {
+    const uint64_t interval = nm_counter->interval_peak();  // since the previous operator with parameters
+    nm_counter->reset_interval_peak();
+    uint64_t predicted = 0;
+    if (planner != nullptr && in_step) {
+      const int64_t k = cursor - 1;  // follow_plan counted this operator
+      if (planning) {
+        if (!plan_nm_rec.empty()) plan_nm_rec.back() = std::max(plan_nm_rec.back(), interval);
+        plan_nm_rec.push_back(0);
+      } else if (!diverged && k >= 0 && k < static_cast<int64_t>(plan_nm.size())) {
+        predicted = plan_nm[k];
+      }
+    }
+    const uint64_t live = nm_counter->current();
+    const uint64_t non_model = std::max(live, predicted);
+    const auto usable = static_cast<uint64_t>(static_cast<double>(options.device_capacity) * options.device_safety_ratio);
+    STRATA_CHECK(usable >= non_model + needed, "operator ", op.schema().name(), " needs ", format_bytes(needed),
+                 " of parameter chunks on the device, but ", format_bytes(non_model),
+                 " of activations and workspace (", format_bytes(live), " live, ", format_bytes(predicted),
+                 " expected) leave ", format_bytes(usable > non_model ? usable - non_model : 0), " of the ",
+                 format_bytes(usable), " usable device capacity; raise device_capacity or lower the batch");
+    capacity_floor = std::min(capacity_floor, mgr->set_budget(Tier::kDevice, usable - non_model));
+  }
+
   void begin_plan_step() {
     in_step = true;
     cursor = 0;
     diverged = false;
-    if (planning) plan_rec.clear();
+    if (planning) {
+      plan_rec.clear();
+      plan_nm_rec.clear();
+    }
   }
 
   // After backward: a recorded plan takes effect; a step that diverged, or
@@ -347,6 +388,11 @@ struct Engine::Impl : OpObserver {
     prefetches.clear();
     if (planner == nullptr) return;
     if (planning) {
+      if (nm_counter != nullptr && !plan_nm_rec.empty()) {
+        plan_nm_rec.back() = std::max(plan_nm_rec.back(), nm_counter->interval_peak());
+      }
+      plan_nm = std::move(plan_nm_rec);
+      plan_nm_rec.clear();
       planner->set_plan(std::move(plan_rec));
       plan_rec.clear();
       planning = false;
@@ -808,6 +854,11 @@ Engine::Engine(torch::nn::Module& module, AdamWConfig optimizer, EngineOptions o
   for (Impl::Cast& c : s.casts) c.tensor.set_data(c.tensor.to(s.compute));
   s.hook = std::make_unique<OpHook>(s);
   if (!options.trace_path.empty()) s.start_trace();
+  if (options.device_capacity > 0) {
+    STRATA_CHECK(s.device.is_cpu(), "device_capacity needs the non-model bytes on the device; on CUDA they would "
+                 "come from the caching allocator's statistics, which strata does not read yet: use device_budget");
+    s.nm_counter = &CpuMemoryCounter::install();
+  }
   for (size_t i = 0; i < s.params.size(); ++i) {
     Impl::Param& p = s.params[i];
     s.hook->track(p.tensor, static_cast<int64_t>(i));
@@ -875,6 +926,9 @@ double Engine::loss_scale() const { return impl_->scale; }
 int64_t Engine::skipped_steps() const { return impl_->skipped; }
 int64_t Engine::replans() const { return impl_->replans; }
 Engine::DataWait Engine::data_wait() const { return impl_->wait; }
+uint64_t Engine::lowest_device_budget() const {
+  return impl_->capacity_floor == UINT64_MAX ? impl_->options.budgets.device : impl_->capacity_floor;
+}
 memory::ChunkManager& Engine::chunks() { return *impl_->mgr; }
 memory::TierStats Engine::tier_stats(memory::Tier tier) const { return impl_->mgr->tier_stats(tier); }
 memory::MoveStats Engine::move_stats() const { return impl_->mgr->move_stats(); }

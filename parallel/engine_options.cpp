@@ -54,6 +54,7 @@ EngineOptions EngineOptions::from_env(EngineOptions base) {
   from_env_var("STRATA_NVME_OPTIM_FRACTION", [&](const std::string& v) { o.nvme_optim_fraction = parse_number(v); });
   from_env_var("STRATA_TRACE", [&](const std::string& v) { o.trace_path = v; });
   from_env_var("STRATA_TRACE_STEPS", [&](const std::string& v) { o.trace_steps = static_cast<int>(parse_integer(v)); });
+  from_env_var("STRATA_DEVICE_CAPACITY", [&](const std::string& v) { o.device_capacity = parse_bytes(v); });
   from_env_var("STRATA_PREFETCH", [&](const std::string& v) {
     STRATA_CHECK(v == "0" || v == "1", "\"", v, "\" is not 0 or 1");
     o.prefetch = v == "1";
@@ -78,6 +79,8 @@ void EngineOptions::validate() const {
                "nvme_optim_fraction is ", nvme_optim_fraction, "; give a fraction in [0, 1], or -1 for auto");
   STRATA_CHECK(nvme_optim_fraction <= 0.0 || budgets.nvme > 0, "nvme_optim_fraction is ", nvme_optim_fraction,
                " but there is no nvme tier; give it a budget (nvme_budget, STRATA_NVME_BUDGET)");
+  STRATA_CHECK(device_safety_ratio > 0.0 && device_safety_ratio <= 1.0, "device_safety_ratio is ",
+               device_safety_ratio, "; give a fraction in (0, 1]");
   STRATA_CHECK(policy == "auto" || policy == "lru", "policy \"", policy, "\" is not one of auto, lru");
   STRATA_CHECK(trace_steps >= 1, "trace_steps is ", trace_steps, "; trace at least one step");
   STRATA_CHECK(loss_scale.initial >= 1.0 && loss_scale.min_scale >= 1.0 && loss_scale.min_scale <= loss_scale.initial,

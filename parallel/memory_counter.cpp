@@ -13,6 +13,13 @@ namespace {
 
 std::atomic<uint64_t> g_current{0};
 std::atomic<uint64_t> g_peak{0};
+std::atomic<uint64_t> g_interval_peak{0};
+
+void raise_peak(std::atomic<uint64_t>& peak, uint64_t now) {
+  uint64_t p = peak.load(std::memory_order_relaxed);
+  while (now > p && !peak.compare_exchange_weak(p, now, std::memory_order_relaxed)) {
+  }
+}
 
 // LibTorch's raw_allocate() requires a DataPtr whose context is its data
 // pointer, so the bookkeeping lives in a table keyed by that pointer instead.
@@ -63,9 +70,8 @@ class CountingAllocator final : public c10::Allocator {
       table()[data] = {n, deleter};
     }
     const uint64_t now = g_current.fetch_add(n, std::memory_order_relaxed) + n;
-    uint64_t peak = g_peak.load(std::memory_order_relaxed);
-    while (now > peak && !g_peak.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {
-    }
+    raise_peak(g_peak, now);
+    raise_peak(g_interval_peak, now);
     return c10::DataPtr(data, data, &release_counted, device);
   }
   c10::Allocator* inner_;
@@ -87,5 +93,7 @@ CpuMemoryCounter& CpuMemoryCounter::install() {
 uint64_t CpuMemoryCounter::current() const { return g_current.load(std::memory_order_relaxed); }
 uint64_t CpuMemoryCounter::peak() const { return g_peak.load(std::memory_order_relaxed); }
 void CpuMemoryCounter::reset_peak() { g_peak.store(current(), std::memory_order_relaxed); }
+uint64_t CpuMemoryCounter::interval_peak() const { return g_interval_peak.load(std::memory_order_relaxed); }
+void CpuMemoryCounter::reset_interval_peak() { g_interval_peak.store(current(), std::memory_order_relaxed); }
 
 }  // namespace strata::parallel

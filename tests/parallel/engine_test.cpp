@@ -487,6 +487,64 @@ TEST(Engine, SimulatedTrafficAgreesWithARealRunAtAnotherBudget) {
   std::filesystem::remove(path);
 }
 
+// Note [Device capacity]: chunks and activations share a device capacity.
+// The chunk budget shrinks around the activations the plan expects, shrinks
+// further when a bigger batch brings more than planned, and the numbers are
+// those of a run without the rule.
+TEST(Engine, DeviceCapacityLeavesRoomForActivationsAndAdaptsToMore) {
+  const std::string path =
+      (std::filesystem::temp_directory_path() / ("strata-capacity-" + std::to_string(::getpid()) + ".json")).string();
+  const uint64_t capacity = 2 << 20;
+  auto train = [&](bool with_capacity, uint64_t& lowest) {
+    torch::manual_seed(41);
+    auto model = torch::nn::Sequential(torch::nn::Linear(128, 128), torch::nn::ReLU(), torch::nn::Linear(128, 128),
+                                       torch::nn::ReLU(), torch::nn::Linear(128, 128), torch::nn::ReLU(),
+                                       torch::nn::Linear(128, 128));
+    EngineOptions o;
+    o.budgets = {1 << 20, 8 << 20, 0};
+    o.chunk_elems = 128 * 128 + 128;
+    if (with_capacity) {
+      o.device_capacity = capacity;
+      o.trace_path = path;
+      o.trace_steps = 4;
+    }
+    auto engine = attach(*model, AdamWConfig{}, o);
+    std::vector<double> losses;
+    const int64_t batch[] = {256, 256, 256, 320};  // the last step brings more activations than planned
+    uint64_t planned_floor = 0;
+    torch::manual_seed(42);
+    for (int s = 0; s < 4; ++s) {
+      const torch::Tensor x = torch::randn({batch[s], 128}), y = torch::randn({batch[s], 128});
+      losses.push_back(engine->train_step([&] { return torch::mse_loss(model->forward(x), y); }).loss);
+      if (s == 2) planned_floor = engine->lowest_device_budget();
+    }
+    lowest = engine->lowest_device_budget();
+    if (with_capacity) {
+      EXPECT_LT(lowest, planned_floor) << "more activations than planned: a lower chunk budget";
+      EXPECT_LT(planned_floor, o.budgets.device) << "the planned activations already lower it";
+    }
+    EXPECT_LE(engine->tier_stats(memory::Tier::kDevice).peak, o.budgets.device);
+    return losses;
+  };
+  uint64_t lowest = 0, unused = 0;
+  const std::vector<double> with = train(true, lowest);
+  EXPECT_EQ(with, train(false, unused)) << "the capacity rule moves chunks, not numbers";
+  // In the steps after planning with the planned batch, chunks plus
+  // activations stay within the capacity at every operator with parameters.
+  const memory::Trace t = memory::read_trace(path);
+  ASSERT_EQ(t.steps.size(), 4u);
+  for (int step = 1; step <= 2; ++step) {
+    for (int64_t i = t.steps[step].first_op; i < t.steps[step].end_op; ++i) {
+      const memory::TraceOp& op = t.ops[i];
+      if (op.chunks.empty()) continue;
+      EXPECT_LE(op.model_bytes[0] + op.non_model_bytes, capacity) << "step " << step << " " << op.name;
+    }
+  }
+  std::printf("lowest chunk budget %llu of capacity %llu\n", static_cast<unsigned long long>(lowest),
+              static_cast<unsigned long long>(capacity));
+  std::filesystem::remove(path);
+}
+
 TEST(EngineOptions, FromEnvironment) {
   ::setenv("STRATA_DEVICE_BUDGET", "64MiB", 1);
   ::setenv("STRATA_HOST_BUDGET", "1GiB", 1);

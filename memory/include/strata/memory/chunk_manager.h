@@ -125,6 +125,13 @@ class ChunkManager {
   /// Overwrites the payload (payload_bytes()) from host memory, on the tier that holds it.
   void write(ChunkId id, const void* host_src, size_t bytes);
 
+  /// Lowers (or raises, up to the configured budget) the device or host
+  /// tier's budget, evicting idle chunks (policy order) until the tier fits.
+  /// Chunks in COMPUTE or in flight cannot leave, so the budget set is at
+  /// least the bytes they hold; returns the budget in effect. The engine
+  /// shrinks the device budget while activations need the room.
+  uint64_t set_budget(Tier tier, uint64_t bytes);
+
   TierStats tier_stats(Tier tier) const;
   MoveStats move_stats() const;
   const offload::DeviceMemory& device() const { return *device_; }

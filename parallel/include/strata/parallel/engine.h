@@ -69,6 +69,8 @@ class Engine {
     double optimizer = 0.0;
   };
   DataWait data_wait() const;
+  /// The lowest chunk budget the device-capacity rule set (budgets.device without it).
+  uint64_t lowest_device_budget() const;
   /// Times the operator sequence diverged from the "auto" policy's plan and was planned again.
   int64_t replans() const;
 

@@ -53,6 +53,15 @@ struct EngineOptions {
   /// the next family's chunks to host in the optimizer step. false: every
   /// chunk moves when it is needed (for comparison; STRATA_PREFETCH=0).
   bool prefetch = true;
+  /// The device's memory for chunks and activations together; 0: off (the
+  /// device budget covers chunks only). When set, before each operator the
+  /// chunk budget becomes capacity x device_safety_ratio minus the larger of
+  /// the non-model bytes live now and the peak the plan recorded until the
+  /// next operator, never above budgets.device (Note [Device capacity]).
+  /// Emulated device only for now: non-model bytes come from LibTorch's CPU
+  /// allocator (STRATA_DEVICE_CAPACITY).
+  uint64_t device_capacity = 0;
+  double device_safety_ratio = 0.9;
   int trace_steps = 2;
 
   /// `base` with every option the environment sets replaced:

@@ -21,6 +21,10 @@ struct CpuMemoryCounter {
   /// Highest current() since the last reset_peak().
   uint64_t peak() const;
   void reset_peak();
+  /// A second, independent peak register for the engine's device-capacity
+  /// rule (the tracer resets the first at every operator).
+  uint64_t interval_peak() const;
+  void reset_interval_peak();
 };
 
 }  // namespace strata::parallel
