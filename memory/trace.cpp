@@ -168,6 +168,20 @@ std::string format_trace_report(const Trace& t, size_t top) {
   line(fmt::format("stalls: {:.2f} ms, {:.1f}% of step time", stalls * 1e3,
                    step_seconds > 0 ? 100.0 * stalls / step_seconds : 0.0));
 
+  // The two device policies replayed at the traced budget (Note [Replaying a trace]).
+  if (t.budgets[0] > 0 && !t.ops.empty()) {
+    SimulateOptions so;
+    so.device_budget = t.budgets[0];
+    so.policy = "lru";
+    const SimulateResult lru = simulate_trace(t, so);
+    so.policy = "auto";
+    const SimulateResult belady = simulate_trace(t, so);
+    if (lru.fits && belady.fits) {
+      line(fmt::format("replayed at this device budget: host -> device {} under lru, {} under auto",
+                       format_bytes(lru.h2d_bytes), format_bytes(belady.h2d_bytes)));
+    }
+  }
+
   // Top operators by non-model memory.
   std::vector<const TraceOp*> by_mem;
   for (const TraceOp& o : t.ops) by_mem.push_back(&o);

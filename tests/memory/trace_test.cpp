@@ -99,6 +99,9 @@ TEST(Trace, ReportSumsMovesStallsAndPadding) {
   EXPECT_EQ(r.find("aten::addmm                          forward"), std::string::npos) << "only the top 1";
   // 1000 fp32 of 4096 bytes and 2048 bf16 of 4096 bytes: 8096 of 8192 used.
   EXPECT_NE(r.find("8.00 KiB allocated, 98.8% used by tensors, 96 B padding"), std::string::npos) << r;
+  // One parameter chunk, used by one operator per step, fits the 4 KiB budget: moved once, either way.
+  EXPECT_NE(r.find("replayed at this device budget: host -> device 4.00 KiB under lru, 4.00 KiB under auto"),
+            std::string::npos) << r;
 }
 
 TEST(Trace, ChromeExportHasOperatorsMovesAndCounters) {
