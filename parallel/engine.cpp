@@ -378,14 +378,7 @@ struct Engine::Impl : OpObserver {
   // ended before the plan did, records a new one next time.
   void end_plan_step() {
     in_step = false;
-    for (auto& t : prefetches) {
-      try {
-        offload::CopyEngine::wait(t);
-      } catch (const std::exception& e) {
-        STRATA_LOG(kDebug, "prefetch failed, the operator's own access retried it: {}", e.what());
-      }
-    }
-    prefetches.clear();
+    settle(prefetches);
     if (planner == nullptr) return;
     if (planning) {
       if (nm_counter != nullptr && !plan_nm_rec.empty()) {
@@ -485,16 +478,18 @@ struct Engine::Impl : OpObserver {
     for (Param& p : params) p.has_grad = false;
   }
 
-  std::vector<ChunkId> step_members(memory::FamilyId f) const {
-    const memory::ChunkFamily& fam = mgr->family(f);
-    std::vector<ChunkId> m = {fam.param, fam.grad, fam.optim_states[0], fam.optim_states[1]};
-    if (fam.master) m.push_back(*fam.master);
-    return m;
-  }
+  // The optimizer state of a family: exp_avg, exp_avg_sq and the fp32 master.
   std::vector<ChunkId> optim_members(memory::FamilyId f) const {
     const memory::ChunkFamily& fam = mgr->family(f);
     std::vector<ChunkId> m = {fam.optim_states[0], fam.optim_states[1]};
     if (fam.master) m.push_back(*fam.master);
+    return m;
+  }
+  // Everything the update of a family touches: its optimizer state, parameters and gradients.
+  std::vector<ChunkId> step_members(memory::FamilyId f) const {
+    std::vector<ChunkId> m = optim_members(f);
+    m.push_back(mgr->family(f).param);
+    m.push_back(mgr->family(f).grad);
     return m;
   }
 
@@ -517,14 +512,15 @@ struct Engine::Impl : OpObserver {
     if (only_into_free && host.used + bytes > host.budget) return;
     for (ChunkId c : wanted) tickets.push_back(mgr->prefetch(c, Tier::kHost));
   }
-  // A failed read-ahead left the chunk where it was; the access that follows
-  // moves it again and reports the error itself.
+  // Waits for read-ahead and prefetch tickets. A failed one left the chunk
+  // where it was; the access that needed it moved it again and reported any
+  // error itself.
   static void settle(std::vector<offload::CopyTicket>& tickets) {
     for (auto& t : tickets) {
       try {
         offload::CopyEngine::wait(t);
       } catch (const std::exception& e) {
-        STRATA_LOG(kDebug, "read-ahead failed, the access retries it: {}", e.what());
+        STRATA_LOG(kDebug, "read-ahead failed, the access retried it: {}", e.what());
       }
     }
     tickets.clear();
@@ -604,18 +600,18 @@ struct Engine::Impl : OpObserver {
       const char* g = static_cast<const char*>(mgr->data(fam.grad));
       float* m = static_cast<float*>(mgr->data(fam.optim_states[0]));
       float* v = static_cast<float*>(mgr->data(fam.optim_states[1]));
+      kernels::AdamParams ap;
+      ap.lr = opt.lr;
+      ap.beta1 = opt.beta1;
+      ap.beta2 = opt.beta2;
+      ap.eps = opt.eps;
+      ap.weight_decay = opt.weight_decay;
+      ap.grad_scale = grad_scale;
+      ap.grads_known_finite = true;  // grad_stats() checked every chunk
       for (size_t i : params_of_chunk[fam.param]) {
         Param& p = params[i];
         if (!p.has_grad) continue;  // unused this step: no update, as torch.optim
-        kernels::AdamParams ap;
-        ap.lr = opt.lr;
-        ap.beta1 = opt.beta1;
-        ap.beta2 = opt.beta2;
-        ap.eps = opt.eps;
-        ap.weight_decay = opt.weight_decay;
         ap.step = ++p.steps;
-        ap.grad_scale = grad_scale;
-        ap.grads_known_finite = true;
         kernels::OptimSpans s;
         s.n = p.numel;
         s.master = master + p.offset;

@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 #include <vector>
 
+#include "bench_timing.h"
 #include "bench_torch.h"
 #include "commands.h"
 #include "strata/core/bytes.h"
@@ -32,17 +33,6 @@ struct OptimBenchOptions {
   bool json = false;
   bool torch_baseline = true;
 };
-
-double seconds(const std::function<void()>& fn) {
-  const auto a = std::chrono::steady_clock::now();
-  fn();
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - a).count();
-}
-
-double median(std::vector<double> t) {
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
-}
 
 // Median seconds of `a` and of `b` over `iters` alternating runs after a
 // warm-up of each: on a shared, noisy machine both see the same conditions,

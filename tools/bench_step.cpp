@@ -15,6 +15,7 @@
 #include <optional>
 #include <vector>
 
+#include "bench_timing.h"
 #include "commands.h"
 #include "gpt_model.h"
 #include "strata/core/bytes.h"
@@ -52,11 +53,6 @@ struct Row {
   double loss = 0.0;
 };
 
-double median(std::vector<double> t) {
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
-}
-
 GptConfig parse_size(const std::string& s, int context) {
   GptConfig c;
   c.context = context;
@@ -93,16 +89,15 @@ Row run_baseline(const GptConfig& mc, const Batches& data, const StepBenchOption
   std::vector<double> times;
   Row r;
   for (size_t i = 0; i < data.size(); ++i) {
-    const auto t0 = std::chrono::steady_clock::now();
-    opt.zero_grad();
-    torch::Tensor loss = model->loss(data[i].first, data[i].second);
-    loss.backward();
-    torch::nn::utils::clip_grad_norm_(model->parameters(), 1.0);
-    opt.step();
-    r.loss = loss.item<double>();
-    if (static_cast<int>(i) >= o.warmup) {
-      times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-    }
+    const double t = seconds([&] {
+      opt.zero_grad();
+      torch::Tensor loss = model->loss(data[i].first, data[i].second);
+      loss.backward();
+      torch::nn::utils::clip_grad_norm_(model->parameters(), 1.0);
+      opt.step();
+      r.loss = loss.item<double>();
+    });
+    if (static_cast<int>(i) >= o.warmup) times.push_back(t);
   }
   r.params = examples::count_parameters(*model);
   r.config = "plain LibTorch";
@@ -145,12 +140,9 @@ Row run_strata(const GptConfig& mc, const Batches& data, const StepBenchOptions&
         moved_before = total_moved(engine->move_stats());
         wait_before = engine->data_wait();
       }
-      const auto t0 = std::chrono::steady_clock::now();
-      const parallel::StepResult s = engine->train_step([&] { return model->loss(data[i].first, data[i].second); });
-      r.loss = s.loss;
-      if (static_cast<int>(i) >= o.warmup) {
-        times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-      }
+      const double t = seconds(
+          [&] { r.loss = engine->train_step([&] { return model->loss(data[i].first, data[i].second); }).loss; });
+      if (static_cast<int>(i) >= o.warmup) times.push_back(t);
     }
     r.moved_per_step = (total_moved(engine->move_stats()) - moved_before) / times.size();
     const parallel::Engine::DataWait w = engine->data_wait();

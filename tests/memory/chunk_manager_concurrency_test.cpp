@@ -93,6 +93,21 @@ struct SlowStore final : SwapStore {
   }
 };
 
+// Gives chunk `id` the payload pattern(id, seed) and moves it to nvme.
+void put_on_nvme(ChunkManager& mgr, ChunkId id, int seed) {
+  mgr.access(id, Tier::kHost);
+  mgr.write(id, pattern(id, seed).data(), kChunkBytes);
+  mgr.move(id, Tier::kNvme);
+}
+
+// Starts a prefetch of `id` to the device and returns once its slow read has
+// begun: from then on the chunk is busy, its destination reserved.
+offload::CopyTicket prefetch_started(ChunkManager& mgr, SlowStore& slow, ChunkId id) {
+  auto ticket = mgr.prefetch(id, Tier::kDevice);
+  while (slow.reads == 0) std::this_thread::yield();
+  return ticket;
+}
+
 TEST(ChunkManagerConcurrency, AccessDuringAPrefetchStallsAndIsCounted) {
   testing::TestNvme nvme(64 * kChunkBytes, "stall");
   auto slow = std::make_shared<SlowStore>(nvme.store);
@@ -100,12 +115,9 @@ TEST(ChunkManagerConcurrency, AccessDuringAPrefetchStallsAndIsCounted) {
   o.nvme = slow;
   ChunkManager mgr(std::move(o));
   const auto ids = register_chunks(mgr, 1, "w");
-  mgr.access(ids[0], Tier::kHost);
-  mgr.write(ids[0], pattern(ids[0], 3).data(), kChunkBytes);
-  mgr.move(ids[0], Tier::kNvme);
+  put_on_nvme(mgr, ids[0], 3);
   EXPECT_EQ(mgr.move_stats().stalls, 0u);
-  auto ticket = mgr.prefetch(ids[0], Tier::kDevice);
-  while (slow->reads == 0) std::this_thread::yield();  // the move has started: the chunk is busy
+  auto ticket = prefetch_started(mgr, *slow, ids[0]);
   mgr.access(ids[0], Tier::kDevice);  // must wait for the prefetch, not start a second move
   offload::CopyEngine::wait(ticket);
   const MoveStats m = mgr.move_stats();
@@ -128,11 +140,8 @@ TEST(ChunkManagerConcurrency, RequestWaitsForAMoveArrivingOnAFullTier) {
   o.nvme = slow;
   ChunkManager mgr(std::move(o));
   const auto ids = register_chunks(mgr, 2, "w");
-  mgr.access(ids[0], Tier::kHost);
-  mgr.write(ids[0], pattern(ids[0], 5).data(), kChunkBytes);
-  mgr.move(ids[0], Tier::kNvme);
-  auto ticket = mgr.prefetch(ids[0], Tier::kDevice);
-  while (slow->reads == 0) std::this_thread::yield();  // chunk 0 holds the whole device tier, in flight
+  put_on_nvme(mgr, ids[0], 5);
+  auto ticket = prefetch_started(mgr, *slow, ids[0]);  // chunk 0 holds the whole device tier, in flight
   mgr.access(ids[1], Tier::kDevice);                    // waits for it to land, then evicts it
   offload::CopyEngine::wait(ticket);
   EXPECT_TRUE(mgr.chunk(ids[1]).resident_on(Tier::kDevice));

@@ -32,6 +32,30 @@ void copy_params(torch::nn::Module& from, torch::nn::Module& to) {
 
 double rel(double a, double b) { return std::fabs(a - b) / std::max(std::fabs(b), 1e-12); }
 
+// Every parameter of `b` within `tol` (relative L2) of `a`'s.
+void expect_params_close(torch::nn::Module& a, torch::nn::Module& b, double tol = 1e-5) {
+  auto pa = a.parameters();
+  auto pb = b.parameters();
+  ASSERT_EQ(pa.size(), pb.size());
+  for (size_t i = 0; i < pa.size(); ++i) {
+    EXPECT_LT(((pa[i] - pb[i]).norm() / pa[i].norm()).item<double>(), tol) << "parameter " << i;
+  }
+}
+
+// A per-process path in the temporary directory.
+std::string temp_path(const std::string& name, const std::string& extension = "") {
+  return (std::filesystem::temp_directory_path() / ("strata-" + name + "-" + std::to_string(::getpid()) + extension))
+      .string();
+}
+
+// Four Linear layers: enough chunks that a fifth of the model state evicts.
+torch::nn::Sequential deep_mlp(uint64_t seed) {
+  torch::manual_seed(seed);
+  return torch::nn::Sequential(torch::nn::Linear(32, 64), torch::nn::ReLU(), torch::nn::Linear(64, 64),
+                               torch::nn::ReLU(), torch::nn::Linear(64, 64), torch::nn::ReLU(),
+                               torch::nn::Linear(64, 8));
+}
+
 TEST(Engine, TrainsLikePlainLibTorchAtAQuarterOfModelStateOnDevice) {
   torch::manual_seed(7);
   auto reference = mlp();
@@ -70,12 +94,7 @@ TEST(Engine, TrainsLikePlainLibTorchAtAQuarterOfModelStateOnDevice) {
   EXPECT_LE(dev.peak, dev.budget);
   EXPECT_GT(dev.evictions, 20u) << "the device tier must have been too small to hold the model";
   engine.reset();  // parameters get owned memory back
-  auto a = reference->parameters();
-  auto b = model->parameters();
-  for (size_t i = 0; i < a.size(); ++i) {
-    const double err = ((a[i] - b[i]).norm() / a[i].norm()).item<double>();
-    EXPECT_LT(err, 1e-5) << "parameter " << i;
-  }
+  expect_params_close(*reference, *model);
 }
 
 // Embedding, LayerNorm, Conv2d with BatchNorm (buffers; no conv bias, whose
@@ -205,19 +224,14 @@ TEST(Engine, AccumulationAndClippingMatchPlainLibTorch) {
     opt.step();
   }
   engine.reset();
-  auto a = reference->parameters();
-  auto b = model->parameters();
-  for (size_t i = 0; i < a.size(); ++i) {
-    EXPECT_LT(((a[i] - b[i]).norm() / a[i].norm()).item<double>(), 1e-5) << "parameter " << i;
-  }
+  expect_params_close(*reference, *model);
 }
 
 // The same equivalence with every chunk family's optimizer state living on
 // NVMe between steps: the step pipeline reads it back, updates it and writes
 // it out again each step, through the real io_uring store.
 TEST(Engine, OptimizerStateOnNvmeTrainsLikePlainLibTorch) {
-  const std::filesystem::path dir =
-      std::filesystem::temp_directory_path() / ("strata-engine-nvme-" + std::to_string(::getpid()));
+  const std::filesystem::path dir = temp_path("engine-nvme");
   torch::manual_seed(11);
   auto reference = mlp();
   auto model = mlp();
@@ -254,11 +268,7 @@ TEST(Engine, OptimizerStateOnNvmeTrainsLikePlainLibTorch) {
       EXPECT_LE(engine->tier_stats(t).peak, engine->tier_stats(t).budget) << memory::tier_name(t);
     }
   }
-  auto a = reference->parameters();
-  auto b = model->parameters();
-  for (size_t i = 0; i < a.size(); ++i) {
-    EXPECT_LT(((a[i] - b[i]).norm() / a[i].norm()).item<double>(), 1e-5) << "parameter " << i;
-  }
+  expect_params_close(*reference, *model);
   std::filesystem::remove_all(dir);
 }
 
@@ -292,8 +302,7 @@ TEST(Engine, BackwardKeepsNoSecondCopyOfGradients) {
 // backward, with their chunks; per-operator moves that add up to the
 // manager's own count; the device tier within budget at every operator.
 TEST(Engine, RecordsATraceOfTheWarmUpSteps) {
-  const std::string path =
-      (std::filesystem::temp_directory_path() / ("strata-engine-trace-" + std::to_string(::getpid()) + ".json")).string();
+  const std::string path = temp_path("engine-trace", ".json");
   std::filesystem::remove(path);
   torch::manual_seed(17);
   auto model = mlp();
@@ -353,10 +362,7 @@ TEST(Engine, AutoPolicyMovesNoMoreThanLruWithIdenticalResults) {
     memory::TierStats device;
   };
   auto train = [](const std::string& policy, bool prefetch = true) {
-    torch::manual_seed(23);
-    auto model = torch::nn::Sequential(torch::nn::Linear(32, 64), torch::nn::ReLU(), torch::nn::Linear(64, 64),
-                                       torch::nn::ReLU(), torch::nn::Linear(64, 64), torch::nn::ReLU(),
-                                       torch::nn::Linear(64, 8));
+    auto model = deep_mlp(23);
     int64_t params = 0;
     for (const auto& p : model->parameters()) params += p.numel();
     EngineOptions o;
@@ -431,27 +437,17 @@ TEST(Engine, DivergingOperatorSequenceReplansAndStaysCorrect) {
   EXPECT_GE(engine->replans(), 2) << "the branch changed twice after the first plan";
   EXPECT_LE(engine->tier_stats(memory::Tier::kDevice).peak, o.budgets.device);
   engine.reset();
-  auto a = reference->parameters();
-  auto b = model->parameters();
-  for (size_t i = 0; i < a.size(); ++i) {
-    EXPECT_LT(((a[i] - b[i]).norm() / a[i].norm()).item<double>(), 1e-5) << "parameter " << i;
-  }
+  expect_params_close(*reference, *model);
 }
 
 // Note [Replaying a trace]: a trace recorded with the device budget at half
 // the model state predicts the host <-> device traffic of a run at a fifth
 // within 5%, for both policies.
 TEST(Engine, SimulatedTrafficAgreesWithARealRunAtAnotherBudget) {
-  const std::string path =
-      (std::filesystem::temp_directory_path() / ("strata-sim-trace-" + std::to_string(::getpid()) + ".json")).string();
-  auto make = [] {
-    torch::manual_seed(31);
-    return torch::nn::Sequential(torch::nn::Linear(32, 64), torch::nn::ReLU(), torch::nn::Linear(64, 64),
-                                 torch::nn::ReLU(), torch::nn::Linear(64, 64), torch::nn::ReLU(),
-                                 torch::nn::Linear(64, 8));
-  };
+  const std::string path = temp_path("sim-trace", ".json");
+
   auto run = [&](const std::string& policy, double fraction, const std::string& trace) {
-    auto model = make();
+    auto model = deep_mlp(31);
     int64_t params = 0;
     for (const auto& p : model->parameters()) params += p.numel();
     EngineOptions o;
@@ -492,8 +488,7 @@ TEST(Engine, SimulatedTrafficAgreesWithARealRunAtAnotherBudget) {
 // further when a bigger batch brings more than planned, and the numbers are
 // those of a run without the rule.
 TEST(Engine, DeviceCapacityLeavesRoomForActivationsAndAdaptsToMore) {
-  const std::string path =
-      (std::filesystem::temp_directory_path() / ("strata-capacity-" + std::to_string(::getpid()) + ".json")).string();
+  const std::string path = temp_path("capacity", ".json");
   const uint64_t capacity = 2 << 20;
   auto train = [&](bool with_capacity, uint64_t& lowest) {
     torch::manual_seed(41);
