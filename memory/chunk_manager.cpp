@@ -25,6 +25,14 @@ class BusyGuard {
   bool previous_;
 };
 
+// True on a copy-engine thread while it runs a prefetch: its moves (and the
+// evictions they cause) are not on demand (MoveStats::demand_bytes).
+thread_local bool t_in_prefetch = false;
+struct PrefetchScope {
+  PrefetchScope() { t_in_prefetch = true; }
+  ~PrefetchScope() { t_in_prefetch = false; }
+};
+
 struct AlignedFree {
   void operator()(void* p) const noexcept { std::free(p); }
 };
@@ -182,6 +190,7 @@ void ChunkManager::wait_idle(const Chunk& c, Lock& lock) const {
   const auto start = std::chrono::steady_clock::now();
   idle_.wait(lock, [&] { return !c.busy_; });
   moves_.stalls += 1;
+  moves_.stall_bytes += c.alloc_bytes();
   moves_.stall_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
@@ -210,6 +219,7 @@ offload::CopyTicket ChunkManager::prefetch(ChunkId id, Tier tier) {
   // Prefetching to device or host is a use (the chunk is wanted soon), so the
   // policy does not pick it as the next victim.
   return copier_->submit([this, id, tier] {
+    PrefetchScope scope;
     if (tier == Tier::kNvme) {
       move(id, tier);
     } else {
@@ -322,6 +332,7 @@ void ChunkManager::transfer(Chunk& c, Tier to, Lock& lock) {
   placed(c);
   moves_.bytes[static_cast<int>(from)][static_cast<int>(to)] += bytes;
   moves_.count[static_cast<int>(from)][static_cast<int>(to)] += 1;
+  if (!t_in_prefetch) moves_.demand_bytes[static_cast<int>(from)][static_cast<int>(to)] += bytes;
   idle_.notify_all();
 }
 

@@ -94,4 +94,55 @@ ChunkId TracePolicy::choose_victim(Tier tier, const std::vector<ChunkId>& candid
   return best;
 }
 
+void StaticPolicy::set_held(std::unordered_set<ChunkId> held) {
+  std::lock_guard<std::mutex> lock(mu_);
+  held_ = std::move(held);
+}
+
+bool StaticPolicy::held(ChunkId chunk) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return held_.count(chunk) != 0;
+}
+
+// See Note [Static placement].
+ChunkId StaticPolicy::choose_victim(Tier tier, const std::vector<ChunkId>& candidates) {
+  STRATA_ASSERT(!candidates.empty(), "eviction policy asked to choose among no candidates");
+  if (tier == Tier::kDevice) {
+    std::vector<ChunkId> streamed;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (ChunkId c : candidates) {
+        if (held_.count(c) == 0) streamed.push_back(c);
+      }
+    }
+    if (!streamed.empty()) return lru_.choose_victim(tier, streamed);
+  }
+  return lru_.choose_victim(tier, candidates);
+}
+
+std::unordered_set<ChunkId> static_held_chunks(const std::vector<std::pair<ChunkId, uint64_t>>& param_chunks,
+                                               double fraction, uint64_t device_budget) {
+  uint64_t total = 0, largest = 0, second = 0;
+  for (const auto& [c, bytes] : param_chunks) {
+    total += bytes;
+    if (bytes > largest) {
+      second = largest;
+      largest = bytes;
+    } else if (bytes > second) {
+      second = bytes;
+    }
+  }
+  const uint64_t room = device_budget > largest + second ? device_budget - largest - second : 0;
+  const uint64_t wanted = fraction < 0 ? total : static_cast<uint64_t>(fraction * static_cast<double>(total));
+  const uint64_t limit = std::min(room, wanted);
+  std::unordered_set<ChunkId> held;
+  uint64_t bytes = 0;
+  for (const auto& [c, b] : param_chunks) {
+    if (bytes + b > limit) break;
+    bytes += b;
+    held.insert(c);
+  }
+  return held;
+}
+
 }  // namespace strata::memory

@@ -48,15 +48,18 @@ std::string trace_to_json(const Trace& t) {
     for (const TraceTouch& c : o.chunks) touches.push_back({{"chunk", c.chunk}, {"tier", c.tier}});
     json moves = json::array();
     for (const TraceMove& m : o.moves) {
-      moves.push_back({{"from", m.from}, {"to", m.to}, {"bytes", m.bytes}, {"count", m.count}});
+      moves.push_back(
+          {{"from", m.from}, {"to", m.to}, {"bytes", m.bytes}, {"count", m.count}, {"demand_bytes", m.demand_bytes}});
     }
     ops.push_back({{"index", o.index}, {"step", o.step}, {"name", o.name}, {"phase", o.phase}, {"start", o.start},
                    {"seconds", o.seconds}, {"chunks", touches}, {"model_bytes", tiers_json(o.model_bytes)},
                    {"non_model_bytes", o.non_model_bytes}, {"non_model_peak", o.non_model_peak}, {"moves", moves},
-                   {"stall_seconds", o.stall_seconds}});
+                   {"stall_seconds", o.stall_seconds}, {"stall_bytes", o.stall_bytes}});
   }
   json j = {{"format", "strata-trace"}, {"version", t.version}, {"device", t.device},
-            {"non_model_source", t.non_model_source}, {"budgets", tiers_json(t.budgets)},
+            {"non_model_source", t.non_model_source}, {"policy", t.policy}, {"prefetch", t.prefetch},
+            {"nvme_optim_fraction", t.nvme_optim_fraction},
+            {"budgets", tiers_json(t.budgets)},
             {"chunks", chunks}, {"steps", steps}, {"ops", ops}};
   return j.dump(1);
 }
@@ -78,6 +81,9 @@ Trace trace_from_json(const std::string& text) {
     t.version = version;
     t.device = j.at("device").get<std::string>();
     t.non_model_source = j.at("non_model_source").get<std::string>();
+    t.policy = j.at("policy").get<std::string>();
+    t.prefetch = j.at("prefetch").get<bool>();
+    t.nvme_optim_fraction = j.at("nvme_optim_fraction").get<double>();
     t.budgets = tiers_from(j.at("budgets"));
     for (const json& c : j.at("chunks")) {
       t.chunks.push_back({c.at("id").get<int64_t>(), c.at("family").get<int32_t>(), c.at("role").get<std::string>(),
@@ -102,9 +108,10 @@ Trace trace_from_json(const std::string& text) {
       op.non_model_peak = o.at("non_model_peak").get<uint64_t>();
       for (const json& m : o.at("moves")) {
         op.moves.push_back({m.at("from").get<std::string>(), m.at("to").get<std::string>(), m.at("bytes").get<uint64_t>(),
-                            m.at("count").get<uint64_t>()});
+                            m.at("count").get<uint64_t>(), m.at("demand_bytes").get<uint64_t>()});
       }
       op.stall_seconds = o.at("stall_seconds").get<double>();
+      op.stall_bytes = o.at("stall_bytes").get<uint64_t>();
       t.ops.push_back(std::move(op));
     }
   } catch (const json::exception& e) {
@@ -149,37 +156,47 @@ std::string format_trace_report(const Trace& t, size_t top) {
   }
 
   // Moves and stalls.
-  std::map<std::pair<std::string, std::string>, std::pair<uint64_t, uint64_t>> moved;
+  struct Moved {
+    uint64_t bytes = 0, count = 0, demand = 0;
+  };
+  std::map<std::pair<std::string, std::string>, Moved> moved;
   double stalls = 0.0;
+  uint64_t stall_bytes = 0;
   for (const TraceOp& o : t.ops) {
     for (const TraceMove& m : o.moves) {
-      auto& e = moved[{m.from, m.to}];
-      e.first += m.bytes;
-      e.second += m.count;
+      Moved& e = moved[{m.from, m.to}];
+      e.bytes += m.bytes;
+      e.count += m.count;
+      e.demand += m.demand_bytes;
     }
     stalls += o.stall_seconds;
+    stall_bytes += o.stall_bytes;
   }
   line("");
-  line(fmt::format("{:<16} {:>14} {:>8}", "moved", "bytes", "chunks"));
+  line(fmt::format("{:<16} {:>14} {:>8} {:>14}", "moved", "bytes", "chunks", "on demand"));
   if (moved.empty()) line("  (no chunk moved)");
   for (const auto& [pair, e] : moved) {
-    line(fmt::format("{:<16} {:>14} {:>8}", pair.first + " -> " + pair.second, format_bytes(e.first), e.second));
+    line(fmt::format("{:<16} {:>14} {:>8} {:>14}", pair.first + " -> " + pair.second, format_bytes(e.bytes), e.count,
+                     format_bytes(e.demand)));
   }
-  line(fmt::format("stalls: {:.2f} ms, {:.1f}% of step time", stalls * 1e3,
-                   step_seconds > 0 ? 100.0 * stalls / step_seconds : 0.0));
+  line(fmt::format("waits for moves in flight: {:.2f} ms ({}), {:.1f}% of step time; on-demand moves are waited "
+                   "for too",
+                   stalls * 1e3, format_bytes(stall_bytes), step_seconds > 0 ? 100.0 * stalls / step_seconds : 0.0));
 
-  // The two device policies replayed at the traced budget (Note [Replaying a trace]).
+  // The device policies replayed at the traced budgets (Note [Replaying a trace]).
   if (t.budgets[0] > 0 && !t.ops.empty()) {
     SimulateOptions so;
     so.device_budget = t.budgets[0];
-    so.policy = "lru";
-    const SimulateResult lru = simulate_trace(t, so);
-    so.policy = "auto";
-    const SimulateResult belady = simulate_trace(t, so);
-    if (lru.fits && belady.fits) {
-      line(fmt::format("replayed at this device budget: host -> device {} under lru, {} under auto",
-                       format_bytes(lru.h2d_bytes), format_bytes(belady.h2d_bytes)));
+    so.prefetch = t.prefetch;
+    std::string row;
+    bool fits = true;
+    for (const char* policy : {"lru", "static", "auto"}) {
+      so.policy = policy;
+      const SimulateResult r = simulate_trace(t, so);
+      fits = fits && r.fits;
+      row += fmt::format("{}{} under {}", row.empty() ? "" : ", ", format_bytes(r.h2d_bytes), policy);
     }
+    if (fits) line(fmt::format("replayed at this device budget, host -> device: {}", row));
   }
 
   // Top operators by non-model memory.

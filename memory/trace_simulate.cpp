@@ -1,16 +1,51 @@
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <map>
 #include <unordered_map>
 #include <unordered_set>
 
 #include "strata/core/bytes.h"
 #include "strata/core/error.h"
+#include "strata/memory/eviction_policy.h"
 #include "strata/memory/trace.h"
 
 namespace strata::memory {
 namespace {
 
 bool is_device_op(const TraceOp& o) { return o.phase != "optimizer" && !o.chunks.empty(); }
+
+// The distinct chunks an operator touches, in order.
+std::vector<int64_t> op_chunks(const TraceOp& o) {
+  std::vector<int64_t> v;
+  for (const TraceTouch& c : o.chunks) {
+    if (std::find(v.begin(), v.end(), c.chunk) == v.end()) v.push_back(c.chunk);
+  }
+  return v;
+}
+
+// An operator's own compute time: its traced time less its stalls and the
+// moves it made on demand, at the simulation's bandwidths.
+double compute_seconds(const TraceOp& o, const SimulateOptions& so) {
+  double moves = 0.0;
+  for (const TraceMove& m : o.moves) {
+    if (m.demand_bytes == 0) continue;
+    double bw = so.h2d_bytes_per_s;
+    if (m.to == "nvme") {
+      bw = so.nvme_write_bytes_per_s;
+    } else if (m.from == "nvme") {
+      bw = so.nvme_read_bytes_per_s;
+    } else if (m.from == "device") {
+      bw = so.d2h_bytes_per_s;
+    }
+    moves += static_cast<double>(m.demand_bytes) / bw;
+  }
+  return std::max(0.0, o.seconds - o.stall_seconds - moves);
+}
+
+struct Family {
+  uint64_t param = 0, grad = 0, optim = 0;  // optim: exp_avg, exp_avg_sq and the master
+};
 
 }  // namespace
 
@@ -21,10 +56,7 @@ std::pair<uint64_t, uint64_t> trace_device_bounds(const Trace& t) {
   for (const TraceChunk& c : t.chunks) all += c.role == "param" ? c.bytes : 0;
   for (const TraceOp& o : t.ops) {
     uint64_t need = 0;
-    std::unordered_set<int64_t> seen;
-    for (const TraceTouch& c : o.chunks) {
-      if (seen.insert(c.chunk).second) need += bytes[c.chunk];
-    }
+    for (int64_t c : op_chunks(o)) need += bytes[c];
     widest = std::max(widest, need);
   }
   return {widest, all};
@@ -32,16 +64,33 @@ std::pair<uint64_t, uint64_t> trace_device_bounds(const Trace& t) {
 
 // See Note [Replaying a trace].
 SimulateResult simulate_trace(const Trace& t, const SimulateOptions& o) {
-  STRATA_CHECK(o.policy == "lru" || o.policy == "auto", "policy \"", o.policy, "\" is not one of lru, auto");
-  STRATA_CHECK(o.h2d_bytes_per_s > 0 && o.d2h_bytes_per_s > 0, "bandwidths must be positive");
+  STRATA_CHECK(o.policy == "lru" || o.policy == "auto" || o.policy == "static", "policy \"", o.policy,
+               "\" is not one of lru, auto, static");
+  STRATA_CHECK(o.h2d_bytes_per_s > 0 && o.d2h_bytes_per_s > 0 && o.nvme_read_bytes_per_s > 0 &&
+                   o.nvme_write_bytes_per_s > 0,
+               "bandwidths must be positive");
   SimulateResult r;
   r.device_budget = o.device_budget;
+  r.host_budget = o.host_budget > 0 ? o.host_budget : t.budgets[1];
   std::unordered_map<int64_t, uint64_t> bytes;
-  std::unordered_map<int64_t, std::string> role;
+  std::map<int32_t, Family> families;  // by family id: the engine's step order
+  std::vector<std::pair<ChunkId, uint64_t>> param_chunks;
   for (const TraceChunk& c : t.chunks) {
     bytes[c.id] = c.bytes;
-    role[c.id] = c.role;
+    Family& f = families[c.family];
+    if (c.role == "param") {
+      f.param += c.bytes;
+      param_chunks.emplace_back(static_cast<ChunkId>(c.id), c.bytes);
+    } else if (c.role == "grad") {
+      f.grad += c.bytes;
+    } else {
+      f.optim += c.bytes;
+    }
   }
+  std::unordered_set<ChunkId> held;
+  if (o.policy == "static") held = static_held_chunks(param_chunks, o.static_param_fraction, o.device_budget);
+  const bool prefetch = o.prefetch && o.policy == "auto";
+
   // Uses of each chunk by device operators, for Belady; past the trace's end
   // the sequence repeats (the next step looks like the traced ones).
   std::vector<size_t> device_ops;
@@ -50,10 +99,7 @@ SimulateResult simulate_trace(const Trace& t, const SimulateOptions& o) {
   }
   std::unordered_map<int64_t, std::vector<size_t>> uses;  // chunk -> positions in device_ops
   for (size_t k = 0; k < device_ops.size(); ++k) {
-    for (const TraceTouch& c : t.ops[device_ops[k]].chunks) {
-      auto& u = uses[c.chunk];
-      if (u.empty() || u.back() != k) u.push_back(k);
-    }
+    for (int64_t c : op_chunks(t.ops[device_ops[k]])) uses[c].push_back(k);
   }
   auto next_use = [&](int64_t chunk, size_t k) -> uint64_t {
     const auto it = uses.find(chunk);
@@ -62,76 +108,194 @@ SimulateResult simulate_trace(const Trace& t, const SimulateOptions& o) {
     return n != it->second.end() ? *n - k : it->second.front() + device_ops.size() - k;
   };
 
-  std::unordered_map<int64_t, uint64_t> resident;  // chunk -> last use (LRU clock)
+  struct Resident {
+    uint64_t last = 0;    // LRU clock
+    double ready = 0.0;   // compute-clock time its copy ends (prefetched chunks)
+  };
+  std::unordered_map<int64_t, Resident> resident;
   uint64_t used = 0, clock = 0;
-  size_t k = 0;  // position in device_ops
+  double now = 0.0;        // compute clock: compute and stalls so far
+  double h2d_free = 0.0;   // when the host -> device copy queue is idle
+  double backward_compute = 0.0, optimizer_compute = 0.0, compute = 0.0, device_stall = 0.0;
+  std::vector<int64_t> streamed;  // static: the previous operator's streamed chunks
   auto evict = [&](int64_t c) {
     r.d2h_bytes += bytes[c];
     r.d2h_count += 1;
     used -= bytes[c];
     resident.erase(c);
   };
-  for (const TraceOp& op : t.ops) {
+  auto load = [&](int64_t c, bool ahead) {
+    r.h2d_bytes += bytes[c];
+    r.h2d_count += 1;
+    used += bytes[c];
+    const double copy = static_cast<double>(bytes[c]) / o.h2d_bytes_per_s;
+    Resident& res = resident[c];
+    res.last = ++clock;
+    if (ahead) {
+      r.prefetched_bytes += bytes[c];
+      h2d_free = std::max(h2d_free, now) + copy;
+      res.ready = h2d_free;
+    } else {
+      now += copy;  // on demand: the operator waits for the copy
+      device_stall += copy;
+      res.ready = now;
+    }
+  };
+  size_t k = 0;  // position in device_ops
+  for (size_t i = 0; i < t.ops.size(); ++i) {
+    const TraceOp& op = t.ops[i];
+    const double op_compute = compute_seconds(op, o);
+    compute += op_compute;
+    if (op.phase == "backward") backward_compute += op_compute;
+    if (op.phase == "optimizer") optimizer_compute += op_compute;
     if (op.name == "strata::optimizer_step") {
       // The step updates every family on host: parameter chunks leave the device.
       std::vector<int64_t> params;
       for (const auto& [c, _] : resident) params.push_back(c);
+      std::sort(params.begin(), params.end());
       for (int64_t c : params) evict(c);
+      streamed.clear();
+      now += op_compute;
       continue;
     }
-    if (!is_device_op(op)) continue;
-    std::vector<int64_t> pinned;
-    uint64_t need = 0;
-    for (const TraceTouch& c : op.chunks) {
-      if (std::find(pinned.begin(), pinned.end(), c.chunk) != pinned.end()) continue;
-      pinned.push_back(c.chunk);
-      need += bytes[c.chunk];
+    if (!is_device_op(op)) {
+      now += op_compute;
+      continue;
     }
+    const std::vector<int64_t> pinned = op_chunks(op);
+    uint64_t need = 0;
+    for (int64_t c : pinned) need += bytes[c];
     if (need > o.device_budget && r.fits) {
       r.fits = false;
       r.why = "operator #" + std::to_string(op.index) + " " + op.name + " needs " + format_bytes(need) +
               " of chunks on the device at once";
     }
-    for (size_t i = 0; i < pinned.size(); ++i) {
-      const int64_t c = pinned[i];
-      if (resident.count(c) == 0) {
-        while (used + bytes[c] > o.device_budget) {
-          int64_t victim = -1;
-          uint64_t best = 0;
-          for (const auto& [cand, last] : resident) {
-            if (std::find(pinned.begin(), pinned.begin() + i, cand) != pinned.begin() + i) continue;
-            const uint64_t score = o.policy == "lru" ? UINT64_MAX - last : next_use(cand, k);
-            if (victim < 0 || score > best || (score == best && cand < victim)) {
-              victim = cand;
-              best = score;
-            }
-          }
-          if (victim < 0) break;  // nothing evictable: the budget is too small (reported in `why`)
-          evict(victim);
-          r.evictions += 1;
-        }
-        r.h2d_bytes += bytes[c];
-        r.h2d_count += 1;
-        used += bytes[c];
+    if (o.policy == "static") {
+      for (int64_t c : streamed) {
+        if (resident.count(c) != 0 && std::find(pinned.begin(), pinned.end(), c) == pinned.end()) evict(c);
       }
-      resident[c] = ++clock;
+      streamed.clear();
+      for (int64_t c : pinned) {
+        if (held.count(static_cast<ChunkId>(c)) == 0) streamed.push_back(c);
+      }
+    }
+    for (size_t p = 0; p < pinned.size(); ++p) {
+      const int64_t c = pinned[p];
+      const auto at = resident.find(c);
+      if (at != resident.end()) {
+        if (at->second.ready > now) {  // prefetched, still in flight
+          device_stall += at->second.ready - now;
+          now = at->second.ready;
+        }
+        at->second.last = ++clock;
+        continue;
+      }
+      while (used + bytes[c] > o.device_budget) {
+        int64_t victim = -1;
+        uint64_t best = 0;
+        bool best_held = true;
+        for (const auto& [cand, res] : resident) {
+          if (std::find(pinned.begin(), pinned.begin() + p, cand) != pinned.begin() + p) continue;
+          const bool is_held = held.count(static_cast<ChunkId>(cand)) != 0;
+          const uint64_t score = o.policy == "auto" ? next_use(cand, k) : UINT64_MAX - res.last;
+          const bool better = victim < 0 || (best_held && !is_held) ||
+                              (best_held == is_held && (score > best || (score == best && cand < victim)));
+          if (better) {
+            victim = cand;
+            best = score;
+            best_held = is_held;
+          }
+        }
+        if (victim < 0) break;  // nothing evictable: the budget is too small (reported in `why`)
+        evict(victim);
+        r.evictions += 1;
+      }
+      load(c, /*ahead=*/false);
+    }
+    now += op_compute;
+    // The engine's prefetch after an operator's chunks are pinned: the next
+    // operators' chunks, when all fit in the free bytes and the copy queue is idle.
+    if (prefetch && h2d_free <= now) {
+      std::vector<int64_t> wanted;
+      uint64_t want_bytes = 0;
+      const size_t step_end = [&] {
+        size_t e = k + 1;
+        while (e < device_ops.size() && t.ops[device_ops[e]].step == op.step) ++e;
+        return e;
+      }();
+      for (size_t j = k + 1; j < std::min(step_end, k + 5); ++j) {
+        for (int64_t c : op_chunks(t.ops[device_ops[j]])) {
+          if (resident.count(c) != 0 || std::find(wanted.begin(), wanted.end(), c) != wanted.end()) continue;
+          wanted.push_back(c);
+          want_bytes += bytes[c];
+        }
+      }
+      if (!wanted.empty() && used + want_bytes <= o.device_budget) {
+        for (int64_t c : wanted) load(c, /*ahead=*/true);
+      }
     }
     k += 1;
   }
-  // Step time: traced compute plus predicted device moves.
-  double traced_step = 0.0;
-  uint64_t traced_h2d = 0, traced_d2h = 0;
-  for (const TraceStep& s : t.steps) traced_step += s.seconds;
-  for (const TraceOp& op : t.ops) {
-    for (const TraceMove& m : op.moves) {
-      if ((m.from == "host" || m.from == "nvme") && m.to == "device") traced_h2d += m.bytes;
-      if (m.from == "device") traced_d2h += m.bytes;
-    }
-  }
-  const double traced_moves = traced_h2d / o.h2d_bytes_per_s + traced_d2h / o.d2h_bytes_per_s;
-  const double predicted_moves = r.h2d_bytes / o.h2d_bytes_per_s + r.d2h_bytes / o.d2h_bytes_per_s;
   const double steps = std::max<double>(1.0, static_cast<double>(t.steps.size()));
-  r.step_seconds = std::max(0.0, traced_step - traced_moves) / steps + predicted_moves / steps;
+
+  // Host and NVMe, per step (the steady state).
+  if (t.budgets[2] > 0) {
+    const size_t n = families.size();
+    size_t on_nvme = 0;
+    if (t.nvme_optim_fraction >= 0) {
+      on_nvme = static_cast<size_t>(std::llround(t.nvme_optim_fraction * static_cast<double>(n)));
+    } else {
+      uint64_t host = 0;
+      size_t on_host = 0;
+      for (const auto& [_, f] : families) {
+        host += f.optim;
+        if (host > r.host_budget / 2) break;
+        on_host += 1;
+      }
+      on_nvme = n - on_host;
+    }
+    r.nvme_optim_families = std::min(on_nvme, n);
+    uint64_t resident_host = 0, homed = 0, largest = 0, second = 0;
+    size_t index = 0;
+    for (const auto& [_, f] : families) {
+      resident_host += f.param + f.grad;
+      if (index++ < n - r.nvme_optim_families) {
+        resident_host += f.optim;
+        continue;
+      }
+      homed += f.optim;
+      if (f.optim > largest) {
+        second = largest;
+        largest = f.optim;
+      } else if (f.optim > second) {
+        second = f.optim;
+      }
+    }
+    const uint64_t in_flight = o.prefetch ? largest + second : largest;
+    const uint64_t demand = resident_host + in_flight;
+    r.host_spill_bytes = demand > r.host_budget ? demand - r.host_budget : 0;
+    r.nvme_read_bytes = homed + r.host_spill_bytes;
+    r.nvme_write_bytes = homed + r.host_spill_bytes;
+    const double read = static_cast<double>(r.nvme_read_bytes) / o.nvme_read_bytes_per_s;
+    const double write = static_cast<double>(r.nvme_write_bytes) / o.nvme_write_bytes_per_s;
+    const double optimizer = optimizer_compute / steps, backward = backward_compute / steps;
+    double stall = std::max(0.0, write - optimizer);  // write-behind, waited for at the step's end
+    if (!o.prefetch) {
+      stall += read;
+    } else {
+      // Early reads into the free host bytes overlap backward; the rest is
+      // read a family ahead, overlapping all updates but the first.
+      const uint64_t free_host = r.host_budget > resident_host ? r.host_budget - resident_host : 0;
+      const double early = static_cast<double>(std::min(homed, free_host)) / o.nvme_read_bytes_per_s;
+      const double rest = read - early;
+      const double overlap = n > 0 ? optimizer * static_cast<double>(n - 1) / static_cast<double>(n) : 0.0;
+      stall += std::max(0.0, early - backward) + std::max(0.0, rest - overlap);
+    }
+    r.nvme_stall_seconds = stall;
+  }
+  r.compute_seconds = compute / steps;
+  r.device_stall_seconds = device_stall / steps;
+  r.step_seconds = r.compute_seconds + r.device_stall_seconds + r.nvme_stall_seconds;
   return r;
 }
 

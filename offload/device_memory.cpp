@@ -34,6 +34,7 @@ class CudaDeviceMemory final : public DeviceMemory {
   CudaDeviceMemory(int index, std::string device_name) : index_(index), device_name_(std::move(device_name)) {}
 
   DeviceKind kind() const noexcept override { return DeviceKind::kCuda; }
+  int index() const noexcept override { return index_; }
   std::string name() const override { return "cuda:" + std::to_string(index_) + " (" + device_name_ + ")"; }
   size_t alignment() const noexcept override { return 256; }  // cudaMalloc's documented minimum
   void* allocate(size_t bytes) override { return cuda::device_malloc(index_, bytes); }

@@ -67,7 +67,7 @@ class GradToChunk final : public torch::autograd::FunctionPreHook {
 // While a traced step runs, the operator hook reports every operator (not
 // only those touching parameters). Each becomes a TraceOp: the parameter
 // chunks it touched and where they were when it began, chunk bytes per tier
-// after it, non-model bytes (CpuMemoryCounter) live after it and their peak
+// after it, non-model bytes (NonModelCounter) live after it and their peak
 // during it, and the chunk moves and stall time since the previous record, so
 // that moves finishing between operators (prefetches) are counted once. The
 // optimizer step is one more record, "strata::optimizer_step". After
@@ -81,7 +81,7 @@ struct TraceRecorder {
   bool recording = false;  // inside a traced train_step
   bool done = false;
   std::string phase;
-  CpuMemoryCounter* counter = nullptr;
+  NonModelCounter* counter = nullptr;
   Clock::time_point t0, op_t0, step_t0;
   memory::MoveStats last;
   memory::TraceOp current;
@@ -114,11 +114,13 @@ struct TraceRecorder {
         const uint64_t count = now.count[a][b] - last.count[a][b];
         if (count > 0) {
           current.moves.push_back({memory::tier_name(static_cast<memory::Tier>(a)),
-                                   memory::tier_name(static_cast<memory::Tier>(b)), bytes, count});
+                                   memory::tier_name(static_cast<memory::Tier>(b)), bytes, count,
+                                   now.demand_bytes[a][b] - last.demand_bytes[a][b]});
         }
       }
     }
     current.stall_seconds = now.stall_seconds - last.stall_seconds;
+    current.stall_bytes = now.stall_bytes - last.stall_bytes;
     last = now;
     trace.ops.push_back(std::move(current));
   }
@@ -184,7 +186,11 @@ struct Engine::Impl : OpObserver {
   std::mutex grad_mu;
   std::unique_ptr<TraceRecorder> recorder;  // null: no trace
   // Note [Belady over the recorded operator sequence] (eviction_policy.h).
-  memory::TracePolicy* planner = nullptr;  // owned by the manager; null with policy "lru"
+  memory::TracePolicy* planner = nullptr;  // owned by the manager; null unless policy "auto"
+  // Note [Static placement] (eviction_policy.h): the streamed chunks of the
+  // last operator with parameters, returned to host before the next one.
+  memory::StaticPolicy* placement = nullptr;  // owned by the manager; null unless policy "static"
+  std::vector<ChunkId> streamed;
   bool in_step = false;                    // forward/backward of a train_step is running
   bool planning = true;                    // this step records the plan
   bool diverged = false;
@@ -200,9 +206,15 @@ struct Engine::Impl : OpObserver {
   // the larger of the non-model bytes live now and the peak the planning step
   // saw between this operator and the next one. When activations grow past the
   // plan (a longer sequence, a bigger batch), the live figure is the larger
-  // and more chunks are evicted; when even the operator's own chunks no longer
-  // fit, the error says how much activation memory left how little room.
-  CpuMemoryCounter* nm_counter = nullptr;
+  // and more chunks are evicted; the operator's own chunks always stay (they
+  // are pinned), and when even they do not fit beside the live activations,
+  // the error says how much activation memory left how little room.
+  // Between two operators with parameters, every other operator checks the
+  // live bytes too (relieve_capacity): activations that grew past the room the
+  // budget leaves (a bulge the plan did not see) evict chunks before that
+  // operator runs. No operator's own allocation can be anticipated, so the
+  // capacity holds at operator boundaries.
+  NonModelCounter* nm_counter = nullptr;
   std::vector<uint64_t> plan_nm_rec, plan_nm;  // non-model peak after each planned operator
   uint64_t capacity_floor = UINT64_MAX;        // lowest chunk budget set, for tests and reports
   using Clock = std::chrono::steady_clock;
@@ -210,7 +222,7 @@ struct Engine::Impl : OpObserver {
     return std::chrono::duration<double>(Clock::now() - t).count();
   }
 
-  bool observes_all_ops() const override { return recorder && recorder->recording; }
+  bool observes_all_ops() const override { return tracing() || nm_counter != nullptr; }
   bool tracing() const { return recorder && recorder->recording; }
 
   ChunkId param_chunk(const Param& p) const { return mgr->family(p.family).param; }
@@ -262,7 +274,10 @@ struct Engine::Impl : OpObserver {
       std::lock_guard<std::mutex> lock(recorder->mu);
       recorder->begin_op(op.schema().name(), std::move(touches));
     }
-    if (ids.empty()) return;
+    if (ids.empty()) {
+      if (nm_counter != nullptr) relieve_capacity();
+      return;
+    }
     // The operator's working set on the device: every distinct chunk it touches.
     std::vector<ChunkId> chunks;
     uint64_t needed = 0;
@@ -273,6 +288,7 @@ struct Engine::Impl : OpObserver {
       needed += mgr->chunk(c).alloc_bytes();
     }
     if (planner != nullptr && in_step) follow_plan(op, chunks);
+    if (placement != nullptr) return_streamed(chunks);
     if (nm_counter != nullptr) apply_capacity(op, needed);
     const uint64_t budget = mgr->tier_stats(Tier::kDevice).budget;
     STRATA_CHECK(needed <= budget, "operator ", op.schema().name(), " on parameter '", params[ids.front()].name,
@@ -339,6 +355,20 @@ struct Engine::Impl : OpObserver {
     for (ChunkId c : wanted) prefetches.push_back(mgr->prefetch(c, Tier::kDevice));
   }
 
+  // See Note [Static placement]: the previous operator's streamed chunks that
+  // this one does not use go back to host; this one's become the next to go.
+  void return_streamed(const std::vector<ChunkId>& chunks) {
+    for (ChunkId c : streamed) {
+      if (std::find(chunks.begin(), chunks.end(), c) != chunks.end()) continue;
+      const memory::Chunk& chunk = mgr->chunk(c);
+      if (chunk.resident_on(Tier::kDevice) && chunk.movable()) mgr->move(c, Tier::kHost);
+    }
+    streamed.clear();
+    for (ChunkId c : chunks) {
+      if (!placement->held(c)) streamed.push_back(c);
+    }
+  }
+
   // See Note [Device capacity].
   void apply_capacity(const c10::OperatorHandle& op, uint64_t needed) {
     const uint64_t interval = nm_counter->interval_peak();  // since the previous operator with parameters
@@ -355,13 +385,27 @@ struct Engine::Impl : OpObserver {
     }
     const uint64_t live = nm_counter->current();
     const uint64_t non_model = std::max(live, predicted);
-    const auto usable = static_cast<uint64_t>(static_cast<double>(options.device_capacity) * options.device_safety_ratio);
-    STRATA_CHECK(usable >= non_model + needed, "operator ", op.schema().name(), " needs ", format_bytes(needed),
-                 " of parameter chunks on the device, but ", format_bytes(non_model),
-                 " of activations and workspace (", format_bytes(live), " live, ", format_bytes(predicted),
-                 " expected) leave ", format_bytes(usable > non_model ? usable - non_model : 0), " of the ",
-                 format_bytes(usable), " usable device capacity; raise device_capacity or lower the batch");
-    capacity_floor = std::min(capacity_floor, mgr->set_budget(Tier::kDevice, usable - non_model));
+    const uint64_t usable = usable_capacity();
+    STRATA_CHECK(usable >= live + needed, "operator ", op.schema().name(), " needs ", format_bytes(needed),
+                 " of parameter chunks on the device, but ", format_bytes(live),
+                 " of live activations and workspace leave ", format_bytes(usable > live ? usable - live : 0),
+                 " of the ", format_bytes(usable), " usable device capacity; raise device_capacity or lower the batch");
+    // The operator's own chunks stay even when the peak expected after it
+    // leaves less room: relieve_capacity() evicts them once they are unpinned.
+    const uint64_t budget = std::max(needed, usable > non_model ? usable - non_model : 0);
+    capacity_floor = std::min(capacity_floor, mgr->set_budget(Tier::kDevice, budget));
+  }
+
+  // See Note [Device capacity]: before an operator without parameters,
+  // activations that outgrew the room the chunk budget leaves evict chunks.
+  void relieve_capacity() {
+    const uint64_t live = nm_counter->current();
+    const uint64_t usable = usable_capacity();
+    if (live + mgr->tier_stats(Tier::kDevice).budget <= usable) return;
+    capacity_floor = std::min(capacity_floor, mgr->set_budget(Tier::kDevice, usable > live ? usable - live : 0));
+  }
+  uint64_t usable_capacity() const {
+    return static_cast<uint64_t>(static_cast<double>(options.device_capacity) * options.device_safety_ratio);
   }
 
   void begin_plan_step() {
@@ -405,14 +449,27 @@ struct Engine::Impl : OpObserver {
     }
   }
 
+  // Non-model bytes where operators run: LibTorch's CPU allocator on the
+  // emulated device, the CUDA caching allocator on a GPU.
+  NonModelCounter* non_model_counter() const {
+    if (device.is_cpu()) return &cpu_non_model_counter();
+    NonModelCounter* c = cuda_non_model_counter(device.index());
+    STRATA_CHECK(c != nullptr, "tracing and device_capacity on CUDA read the CUDA caching allocator's statistics, "
+                 "but this LibTorch has no CUDA; build strata against a LibTorch with CUDA");
+    return c;
+  }
+
   void start_trace() {
     recorder = std::make_unique<TraceRecorder>();
     TraceRecorder& r = *recorder;
     r.path = options.trace_path;
     r.steps_wanted = options.trace_steps;
-    r.counter = &CpuMemoryCounter::install();
+    r.counter = non_model_counter();
     r.trace.device = mgr->device().name();
-    r.trace.non_model_source = "LibTorch CPU allocator (counting wrapper)";
+    r.trace.non_model_source = r.counter->source();
+    r.trace.policy = options.policy;
+    r.trace.prefetch = options.prefetch;
+    r.trace.nvme_optim_fraction = options.nvme_optim_fraction;
     for (int t = 0; t < memory::kNumTiers; ++t) r.trace.budgets[t] = options.budgets.of(static_cast<Tier>(t));
     for (size_t id = 0; id < mgr->num_chunks(); ++id) {
       const memory::Chunk& c = mgr->chunk(static_cast<ChunkId>(id));
@@ -761,9 +818,15 @@ Engine::Engine(torch::nn::Module& module, AdamWConfig optimizer, EngineOptions o
     auto planner = std::make_unique<memory::TracePolicy>();
     s.planner = planner.get();
     mo.policy = std::move(planner);
+  } else if (options.policy == "static") {
+    auto placement = std::make_unique<memory::StaticPolicy>();
+    s.placement = placement.get();
+    mo.policy = std::move(placement);
   }
   s.mgr = std::make_unique<memory::ChunkManager>(std::move(mo));
-  s.device = s.mgr->device().kind() == offload::DeviceKind::kCuda ? torch::Device(torch::kCUDA) : torch::Device(torch::kCPU);
+  s.device = s.mgr->device().kind() == offload::DeviceKind::kCuda
+                 ? torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(s.mgr->device().index()))
+                 : torch::Device(torch::kCPU);
 
   // Trainable parameters, each once (tied weights appear under several names).
   std::unordered_set<const c10::TensorImpl*> seen;
@@ -805,6 +868,14 @@ Engine::Engine(torch::nn::Module& module, AdamWConfig optimizer, EngineOptions o
   }
   s.families = reg.families;
   s.place_optimizer_state();
+  if (s.placement != nullptr) {
+    std::vector<std::pair<ChunkId, uint64_t>> param_chunks;
+    for (memory::FamilyId f : s.families) {
+      const ChunkId c = s.mgr->family(f).param;
+      param_chunks.emplace_back(c, s.mgr->chunk(c).alloc_bytes());
+    }
+    s.placement->set_held(memory::static_held_chunks(param_chunks, options.static_param_fraction, options.budgets.device));
+  }
   for (size_t i = 0; i < s.params.size(); ++i) {
     Impl::Param& p = s.params[i];
     p.family = reg.tensors[i].family;
@@ -850,11 +921,7 @@ Engine::Engine(torch::nn::Module& module, AdamWConfig optimizer, EngineOptions o
   for (Impl::Cast& c : s.casts) c.tensor.set_data(c.tensor.to(s.compute));
   s.hook = std::make_unique<OpHook>(s);
   if (!options.trace_path.empty()) s.start_trace();
-  if (options.device_capacity > 0) {
-    STRATA_CHECK(s.device.is_cpu(), "device_capacity needs the non-model bytes on the device; on CUDA they would "
-                 "come from the caching allocator's statistics, which strata does not read yet: use device_budget");
-    s.nm_counter = &CpuMemoryCounter::install();
-  }
+  if (options.device_capacity > 0) s.nm_counter = s.non_model_counter();
   for (size_t i = 0; i < s.params.size(); ++i) {
     Impl::Param& p = s.params[i];
     s.hook->track(p.tensor, static_cast<int64_t>(i));

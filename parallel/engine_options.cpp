@@ -60,6 +60,8 @@ EngineOptions EngineOptions::from_env(EngineOptions base) {
     o.prefetch = v == "1";
   });
   from_env_var("STRATA_POLICY", [&](const std::string& v) { o.policy = v; });
+  from_env_var("STRATA_STATIC_PARAM_FRACTION",
+               [&](const std::string& v) { o.static_param_fraction = parse_number(v); });
   from_env_var("STRATA_LOSS_SCALE", [&](const std::string& v) { o.loss_scale.initial = parse_number(v); });
   o.validate();
   return o;
@@ -81,7 +83,10 @@ void EngineOptions::validate() const {
                " but there is no nvme tier; give it a budget (nvme_budget, STRATA_NVME_BUDGET)");
   STRATA_CHECK(device_safety_ratio > 0.0 && device_safety_ratio <= 1.0, "device_safety_ratio is ",
                device_safety_ratio, "; give a fraction in (0, 1]");
-  STRATA_CHECK(policy == "auto" || policy == "lru", "policy \"", policy, "\" is not one of auto, lru");
+  STRATA_CHECK(policy == "auto" || policy == "lru" || policy == "static", "policy \"", policy,
+               "\" is not one of auto, lru, static");
+  STRATA_CHECK(static_param_fraction == -1.0 || (static_param_fraction >= 0.0 && static_param_fraction <= 1.0),
+               "static_param_fraction is ", static_param_fraction, "; give a fraction in [0, 1], or -1 for auto");
   STRATA_CHECK(trace_steps >= 1, "trace_steps is ", trace_steps, "; trace at least one step");
   STRATA_CHECK(loss_scale.initial >= 1.0 && loss_scale.min_scale >= 1.0 && loss_scale.min_scale <= loss_scale.initial,
                "the loss scale must be at least 1 and min_scale at most the initial scale; got initial ",

@@ -77,10 +77,20 @@ class CountingAllocator final : public c10::Allocator {
   c10::Allocator* inner_;
 };
 
+class CpuCounter final : public NonModelCounter {
+ public:
+  const char* source() const override { return "LibTorch CPU allocator (counting wrapper)"; }
+  uint64_t current() override { return g_current.load(std::memory_order_relaxed); }
+  uint64_t peak() override { return g_peak.load(std::memory_order_relaxed); }
+  void reset_peak() override { g_peak.store(current(), std::memory_order_relaxed); }
+  uint64_t interval_peak() override { return g_interval_peak.load(std::memory_order_relaxed); }
+  void reset_interval_peak() override { g_interval_peak.store(current(), std::memory_order_relaxed); }
+};
+
 }  // namespace
 
-CpuMemoryCounter& CpuMemoryCounter::install() {
-  static CpuMemoryCounter counter;
+NonModelCounter& cpu_non_model_counter() {
+  static CpuCounter counter;
   static std::once_flag once;
   std::call_once(once, [] {
     // Never destroyed: tensors allocated through it may outlive static destructors.
@@ -90,10 +100,8 @@ CpuMemoryCounter& CpuMemoryCounter::install() {
   return counter;
 }
 
-uint64_t CpuMemoryCounter::current() const { return g_current.load(std::memory_order_relaxed); }
-uint64_t CpuMemoryCounter::peak() const { return g_peak.load(std::memory_order_relaxed); }
-void CpuMemoryCounter::reset_peak() { g_peak.store(current(), std::memory_order_relaxed); }
-uint64_t CpuMemoryCounter::interval_peak() const { return g_interval_peak.load(std::memory_order_relaxed); }
-void CpuMemoryCounter::reset_interval_peak() { g_interval_peak.store(current(), std::memory_order_relaxed); }
+#ifndef STRATA_TORCH_CUDA
+NonModelCounter* cuda_non_model_counter(int) { return nullptr; }
+#endif
 
 }  // namespace strata::parallel

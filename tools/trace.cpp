@@ -2,7 +2,8 @@
 //
 //   strata trace record [-o strata-trace.json] [--steps 2] -- PROGRAM ARGS...
 //   strata trace report TRACE [--top 10]
-//   strata trace simulate TRACE --device-budget B [--policy lru|auto] [--bandwidth h2d=10,d2h=10] [--sweep]
+//   strata trace simulate TRACE --device-budget B [--host-budget H] [--policy lru,auto,static]
+//       [--prefetch on|off] [--bandwidth h2d=10,d2h=10,nvme-read=2,nvme-write=1] [--sweep]
 //   strata trace plot TRACE -o mem.svg
 //   strata trace export TRACE --chrome out.json
 //
@@ -67,17 +68,19 @@ void record(const RecordOptions& o) {
 struct SimOptions {
   std::string trace;
   std::string device_budget;
-  std::vector<std::string> policies = {"lru", "auto"};
-  std::vector<std::string> bandwidth;  // h2d=GB/s, d2h=GB/s
+  std::string host_budget;
+  std::vector<std::string> policies = {"lru", "auto", "static"};
+  std::vector<std::string> bandwidth;  // h2d=, d2h=, nvme-read=, nvme-write= (GB/s)
+  double static_param_fraction = -1.0;
+  std::string prefetch = "on";
   bool sweep = false;
 };
 
-void simulate(const SimOptions& o) {
-  const memory::Trace t = memory::read_trace(o.trace);
-  memory::SimulateOptions so;
-  for (const std::string& b : o.bandwidth) {
+void parse_bandwidths(const std::vector<std::string>& specs, memory::SimulateOptions& so) {
+  for (const std::string& b : specs) {
     const auto eq = b.find('=');
-    STRATA_CHECK(eq != std::string::npos, "--bandwidth takes h2d=GB/s,d2h=GB/s, got \"", b, "\"");
+    STRATA_CHECK(eq != std::string::npos, "--bandwidth takes KEY=GB/s pairs such as h2d=10,nvme-read=2, got \"", b,
+                 "\"");
     double v = 0;
     try {
       v = std::stod(b.substr(eq + 1)) * 1e9;
@@ -90,10 +93,24 @@ void simulate(const SimOptions& o) {
       so.h2d_bytes_per_s = v;
     } else if (key == "d2h") {
       so.d2h_bytes_per_s = v;
+    } else if (key == "nvme-read") {
+      so.nvme_read_bytes_per_s = v;
+    } else if (key == "nvme-write") {
+      so.nvme_write_bytes_per_s = v;
     } else {
-      STRATA_FAIL("--bandwidth ", b, ": the keys are h2d and d2h");
+      STRATA_FAIL("--bandwidth ", b, ": the keys are h2d, d2h, nvme-read and nvme-write");
     }
   }
+}
+
+void simulate(const SimOptions& o) {
+  const memory::Trace t = memory::read_trace(o.trace);
+  memory::SimulateOptions so;
+  parse_bandwidths(o.bandwidth, so);
+  STRATA_CHECK(o.prefetch == "on" || o.prefetch == "off", "--prefetch is on or off, got \"", o.prefetch, "\"");
+  so.prefetch = o.prefetch == "on";
+  so.static_param_fraction = o.static_param_fraction;
+  if (!o.host_budget.empty()) so.host_budget = parse_bytes(o.host_budget);
   const auto [widest, all] = memory::trace_device_bounds(t);
   std::vector<uint64_t> budgets;
   if (!o.device_budget.empty()) budgets.push_back(parse_bytes(o.device_budget));
@@ -105,12 +122,19 @@ void simulate(const SimOptions& o) {
   STRATA_CHECK(!budgets.empty(), "give --device-budget, --sweep, or both");
   so.device_budget = round_up(std::max(all, widest), 4096);
   so.policy = "lru";
-  const double resident = memory::simulate_trace(t, so).step_seconds;
-  fmt::print("strata trace simulate: {} ({} steps); device bytes an operator needs at once {}, all parameter "
-             "chunks {}; all resident {:.2f} ms per step\n",
-             o.trace, t.steps.size(), format_bytes(widest), format_bytes(all), resident * 1e3);
-  fmt::print("{:>12} {:>6} {:>12} {:>12} {:>9} {:>10} {:>7}\n", "device", "policy", "h2d", "d2h", "evictions",
-             "step ms", "ratio");
+  const memory::SimulateResult everything = memory::simulate_trace(t, so);
+  const double resident = everything.step_seconds;
+  fmt::print("strata trace simulate: {} ({} steps, traced with policy {}, prefetch {}); host budget {}\n", o.trace,
+             t.steps.size(), t.policy, t.prefetch ? "on" : "off", format_bytes(everything.host_budget));
+  fmt::print("device bytes an operator needs at once {}, all parameter chunks {}; all resident {:.2f} ms per step\n",
+             format_bytes(widest), format_bytes(all), resident * 1e3);
+  if (t.budgets[2] > 0) {
+    fmt::print("nvme per step: optimizer state of {} families, read {}, written {}, host spill {}\n",
+               everything.nvme_optim_families, format_bytes(everything.nvme_read_bytes),
+               format_bytes(everything.nvme_write_bytes), format_bytes(everything.host_spill_bytes));
+  }
+  fmt::print("{:>12} {:>6} {:>12} {:>12} {:>12} {:>9} {:>10} {:>10} {:>10} {:>7}\n", "device", "policy", "h2d", "d2h",
+             "prefetched", "evictions", "stall ms", "nvme ms", "step ms", "ratio");
   uint64_t recommended = 0;
   for (uint64_t b : budgets) {
     for (const std::string& policy : o.policies) {
@@ -121,8 +145,9 @@ void simulate(const SimOptions& o) {
         fmt::print("{:>12} {:>6} does not fit: {}\n", format_bytes(b), policy, r.why);
         continue;
       }
-      fmt::print("{:>12} {:>6} {:>12} {:>12} {:>9} {:>10.2f} {:>6.2f}x\n", format_bytes(b), policy,
-                 format_bytes(r.h2d_bytes), format_bytes(r.d2h_bytes), r.evictions, r.step_seconds * 1e3,
+      fmt::print("{:>12} {:>6} {:>12} {:>12} {:>12} {:>9} {:>10.2f} {:>10.2f} {:>10.2f} {:>6.2f}x\n", format_bytes(b),
+                 policy, format_bytes(r.h2d_bytes), format_bytes(r.d2h_bytes), format_bytes(r.prefetched_bytes),
+                 r.evictions, r.device_stall_seconds * 1e3, r.nvme_stall_seconds * 1e3, r.step_seconds * 1e3,
                  r.step_seconds / resident);
       if (o.sweep && r.step_seconds <= 1.1 * resident && (recommended == 0 || b < recommended)) recommended = b;
     }
@@ -161,8 +186,13 @@ void add_trace_command(CLI::App& app) {
   auto so = std::make_shared<SimOptions>();
   sim->add_option("trace", so->trace, "a trace")->required();
   sim->add_option("--device-budget", so->device_budget, "device budget to predict, e.g. 8MiB");
-  sim->add_option("--policy", so->policies, "lru, auto or both (default both)")->delimiter(',');
-  sim->add_option("--bandwidth", so->bandwidth, "h2d=GB/s,d2h=GB/s (default 10 each)")->delimiter(',');
+  sim->add_option("--host-budget", so->host_budget, "host budget to predict (default: the trace's)");
+  sim->add_option("--policy", so->policies, "lru, auto, static, or a list (default all three)")->delimiter(',');
+  sim->add_option("--static-param-fraction", so->static_param_fraction,
+                  "static: fraction of parameter chunk bytes held on the device (default: as many as fit)");
+  sim->add_option("--prefetch", so->prefetch, "on or off (default on)");
+  sim->add_option("--bandwidth", so->bandwidth,
+                  "h2d=,d2h=,nvme-read=,nvme-write= in GB/s (defaults 10, 10, 2, 1)")->delimiter(',');
   sim->add_flag("--sweep", so->sweep, "try budgets from the widest operator to everything resident; recommend one");
   sim->callback([so] { simulate(*so); });
 

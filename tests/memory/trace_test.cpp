@@ -18,6 +18,7 @@ Trace sample() {
   Trace t;
   t.device = "emulated in host memory";
   t.non_model_source = "test";
+  t.policy = "auto";
   t.budgets = {4096, 1 << 20, 0};
   t.chunks.push_back({0, 0, "param", "fp32", 4096, 1024, 1000});
   t.chunks.push_back({1, 0, "grad", "bf16", 4096, 2048, 2048});
@@ -30,15 +31,16 @@ Trace sample() {
   a.model_bytes = {4096, 4096, 0};
   a.non_model_bytes = 100;
   a.non_model_peak = 300;
-  a.moves = {{"host", "device", 4096, 1}};
+  a.moves = {{"host", "device", 4096, 1, 4096}};
   a.stall_seconds = 0.001;
+  a.stall_bytes = 4096;
   TraceOp b = a;
   b.index = 1;
   b.name = "aten::gelu";
   b.phase = "backward";
   b.chunks.clear();
   b.non_model_peak = 900;
-  b.moves = {{"host", "device", 4096, 1}, {"device", "host", 8192, 2}};
+  b.moves = {{"host", "device", 4096, 1, 0}, {"device", "host", 8192, 2, 4096}};
   t.ops = {a, b};
   t.steps.push_back({0, 0, 2, 0.01});
   return t;
@@ -67,8 +69,8 @@ TEST(Trace, ReaderErrorsSayWhatIsWrong) {
   EXPECT_NE(message(text.substr(0, text.size() / 2)).find("cut short"), std::string::npos);
   EXPECT_NE(message("{\"format\": \"other\"}").find("not a strata trace"), std::string::npos);
   std::string v2 = text;
-  v2.replace(v2.find("\"version\": 1"), 12, "\"version\": 2");
-  EXPECT_NE(message(v2).find("trace version 2"), std::string::npos);
+  v2.replace(v2.find("\"version\": 2"), 12, "\"version\": 3");
+  EXPECT_NE(message(v2).find("trace version 3"), std::string::npos);
   std::string missing = text;
   missing.replace(missing.find("\"stall_seconds\""), 15, "\"stall_secs\"");
   EXPECT_NE(message(missing).find("malformed"), std::string::npos);
@@ -91,16 +93,17 @@ TEST(Trace, WriteIsAtomicAndReadBack) {
 TEST(Trace, ReportSumsMovesStallsAndPadding) {
   const std::string r = format_trace_report(sample(), 1);
   EXPECT_NE(r.find("1 steps, 2 operators"), std::string::npos) << r;
-  EXPECT_NE(r.find("host -> device         8.00 KiB        2"), std::string::npos) << r;
-  EXPECT_NE(r.find("device -> host         8.00 KiB        2"), std::string::npos) << r;
-  EXPECT_NE(r.find("stalls: 2.00 ms, 20.0% of step time"), std::string::npos) << r;
+  EXPECT_NE(r.find("host -> device         8.00 KiB        2       4.00 KiB"), std::string::npos) << r;
+  EXPECT_NE(r.find("device -> host         8.00 KiB        2       4.00 KiB"), std::string::npos) << r;
+  EXPECT_NE(r.find("waits for moves in flight: 2.00 ms (8.00 KiB), 20.0% of step time"), std::string::npos) << r;
   EXPECT_NE(r.find("non-model peak at operator #1 aten::gelu (backward)"), std::string::npos) << r;
   EXPECT_NE(r.find("top 1 operators"), std::string::npos) << r;
   EXPECT_EQ(r.find("aten::addmm                          forward"), std::string::npos) << "only the top 1";
   // 1000 fp32 of 4096 bytes and 2048 bf16 of 4096 bytes: 8096 of 8192 used.
   EXPECT_NE(r.find("8.00 KiB allocated, 98.8% used by tensors, 96 B padding"), std::string::npos) << r;
   // One parameter chunk, used by one operator per step, fits the 4 KiB budget: moved once, either way.
-  EXPECT_NE(r.find("replayed at this device budget: host -> device 4.00 KiB under lru, 4.00 KiB under auto"),
+  EXPECT_NE(r.find("replayed at this device budget, host -> device: 4.00 KiB under lru, 4.00 KiB under static, "
+                   "4.00 KiB under auto"),
             std::string::npos) << r;
 }
 
@@ -136,6 +139,125 @@ TEST(Trace, SvgHasAPanelPerTierWithSeriesAndBudgets) {
   EXPECT_EQ(svg.find("<device>"), std::string::npos);
   EXPECT_NE(svg.find("budget 4.00 KiB"), std::string::npos);
   EXPECT_EQ(svg.substr(svg.size() - 7), "</svg>\n");
+}
+
+// Three 4 KiB parameter chunks in three families, used forward 0 1 2 and
+// backward 2 1 0, each operator taking 2 s of compute, then the optimizer.
+Trace three_chunks() {
+  Trace t;
+  t.device = "test";
+  t.non_model_source = "test";
+  t.policy = "lru";
+  t.budgets = {8192, 1 << 20, 0};
+  for (int f = 0; f < 3; ++f) {
+    const int64_t base = 4 * f;
+    t.chunks.push_back({base, f, "param", "fp32", 4096, 1024, 1024});
+    t.chunks.push_back({base + 1, f, "grad", "fp32", 4096, 1024, 1024});
+    t.chunks.push_back({base + 2, f, "optim", "fp32", 4096, 1024, 1024});
+    t.chunks.push_back({base + 3, f, "optim", "fp32", 4096, 1024, 1024});
+  }
+  const int64_t order[] = {0, 4, 8, 8, 4, 0};
+  for (int i = 0; i < 6; ++i) {
+    TraceOp op;
+    op.index = i;
+    op.name = "aten::mm";
+    op.phase = i < 3 ? "forward" : "backward";
+    op.seconds = 2.0;
+    op.chunks = {{order[i], "host"}};
+    t.ops.push_back(op);
+  }
+  TraceOp step;
+  step.index = 6;
+  step.name = "strata::optimizer_step";
+  step.phase = "optimizer";
+  step.seconds = 3.0;
+  t.ops.push_back(step);
+  t.steps.push_back({0, 0, 7, 15.0});
+  return t;
+}
+
+TEST(Simulate, PoliciesCountTheMovesOfAKnownSequence) {
+  const Trace t = three_chunks();
+  SimulateOptions so;
+  so.device_budget = 8192;
+  for (const char* policy : {"lru", "auto"}) {
+    so.policy = policy;
+    const SimulateResult r = simulate_trace(t, so);
+    ASSERT_TRUE(r.fits);
+    // 0 1 | 2 evicts 0 | 2 1 hit | 0 evicts 2 | the step takes 1 and 0 home.
+    EXPECT_EQ(r.h2d_bytes, 4u * 4096) << policy;
+    EXPECT_EQ(r.d2h_bytes, 4u * 4096) << policy;
+  }
+  // Static with no room to hold anything streams every chunk: each goes home
+  // before the next operator that does not use it.
+  so.policy = "static";
+  SimulateResult r = simulate_trace(t, so);
+  EXPECT_EQ(r.h2d_bytes, 5u * 4096);
+  EXPECT_EQ(r.d2h_bytes, 5u * 4096);
+  // With 12 KiB it holds chunk 0 (room after two streamed chunks), so 0 stays.
+  so.device_budget = 12288;
+  r = simulate_trace(t, so);
+  EXPECT_EQ(r.h2d_bytes, 4u * 4096);
+  // A budget below an operator's chunks does not fit.
+  so.device_budget = 2048;
+  r = simulate_trace(t, so);
+  EXPECT_FALSE(r.fits);
+  EXPECT_NE(r.why.find("needs 4.00 KiB"), std::string::npos) << r.why;
+}
+
+TEST(Simulate, PrefetchHidesCopiesBehindCompute) {
+  const Trace t = three_chunks();
+  SimulateOptions so;
+  so.device_budget = 12288;
+  so.policy = "auto";
+  so.h2d_bytes_per_s = 4096;  // a second per chunk
+  so.prefetch = false;
+  const SimulateResult off = simulate_trace(t, so);
+  EXPECT_DOUBLE_EQ(off.device_stall_seconds, 3.0) << "three loads, each waited for";
+  EXPECT_EQ(off.prefetched_bytes, 0u);
+  so.prefetch = true;
+  const SimulateResult on = simulate_trace(t, so);
+  // Chunk 0 on demand (1 s); 1 and 2 are loaded behind operator 0's 2 s:
+  // 1 is ready at 4 s, a second after operator 1 could start; 2 is ready in time.
+  EXPECT_DOUBLE_EQ(on.device_stall_seconds, 2.0);
+  EXPECT_EQ(on.prefetched_bytes, 8192u);
+  EXPECT_EQ(on.h2d_bytes, off.h2d_bytes);
+  EXPECT_DOUBLE_EQ(on.compute_seconds, 15.0);
+  EXPECT_DOUBLE_EQ(on.step_seconds, 17.0);
+}
+
+TEST(Simulate, NvmeHomedStateAndHostSpillPerStep) {
+  Trace t = three_chunks();
+  t.budgets[2] = 1 << 20;
+  t.nvme_optim_fraction = 1.0 / 3;  // the last family
+  SimulateOptions so;
+  so.device_budget = 12288;
+  so.host_budget = 1 << 20;
+  SimulateResult r = simulate_trace(t, so);
+  EXPECT_EQ(r.nvme_optim_families, 1u);
+  EXPECT_EQ(r.nvme_read_bytes, 8192u);
+  EXPECT_EQ(r.nvme_write_bytes, 8192u);
+  EXPECT_EQ(r.host_spill_bytes, 0u);
+  // Host holds 3 parameter, 3 gradient and 2 families' optimizer chunks (40
+  // KiB) and the NVMe family in flight (8 KiB): at 44 KiB, 4 KiB spills.
+  so.host_budget = 45056;
+  r = simulate_trace(t, so);
+  EXPECT_EQ(r.host_spill_bytes, 4096u);
+  EXPECT_EQ(r.nvme_read_bytes, 8192u + 4096u);
+  // Auto placement (-1) keeps state on host while it fits in half the host budget.
+  t.nvme_optim_fraction = -1;
+  so.host_budget = 32768;  // half is 16 KiB: two families' state
+  r = simulate_trace(t, so);
+  EXPECT_EQ(r.nvme_optim_families, 1u);
+  // Without prefetch every read is a stall: 8 KiB + spill at 1 KiB/s.
+  so.nvme_read_bytes_per_s = 1024;
+  so.nvme_write_bytes_per_s = 1e12;
+  so.prefetch = false;
+  r = simulate_trace(t, so);
+  const double reads = static_cast<double>(r.nvme_read_bytes) / 1024;
+  EXPECT_DOUBLE_EQ(r.nvme_stall_seconds, reads);
+  so.prefetch = true;
+  EXPECT_LT(simulate_trace(t, so).nvme_stall_seconds, reads) << "reads overlap backward and the updates";
 }
 
 }  // namespace

@@ -77,8 +77,15 @@ struct MoveStats {
   // [from][to], indexed by Tier.
   std::array<std::array<uint64_t, kNumTiers>, kNumTiers> bytes{};
   std::array<std::array<uint64_t, kNumTiers>, kNumTiers> count{};
+  // Moves made on demand: by the thread that needed the chunk (access(),
+  // move()), not by a prefetch on the copy engine, evictions they caused
+  // included. The caller waited for every one of these bytes; a prefetch
+  // that works turns them into background moves. Unlike stall time, the
+  // count depends only on what was prefetched, not on timing.
+  std::array<std::array<uint64_t, kNumTiers>, kNumTiers> demand_bytes{};
   uint64_t stalls = 0;         // calls that waited for a chunk's move in flight
   double stall_seconds = 0.0;  // time spent in those waits
+  uint64_t stall_bytes = 0;    // bytes of the chunks those calls waited for
 };
 
 class ChunkManager {

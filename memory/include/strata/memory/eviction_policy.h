@@ -14,6 +14,7 @@
 #include <mutex>
 #include <optional>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "strata/memory/types.h"
@@ -88,5 +89,40 @@ class TracePolicy final : public EvictionPolicy {
   std::unordered_map<ChunkId, std::vector<int64_t>> uses_;
   std::atomic<int64_t> cursor_{-1};
 };
+
+// Note [Static placement]
+// Colossal-AI Gemini's static policy, for comparison with auto and for users
+// who want a placement they can predict: a fixed set of parameter chunks (the
+// first ones in chunk order, which is the module's parameter order, so
+// roughly forward order) is held on the device between uses; every other
+// parameter chunk is streamed, brought to the device for the operators that
+// use it and returned to host before the next operator that does not (the
+// engine does this, ChunkManager::move). When the budget forces an eviction
+// anyway, streamed chunks go first, then held ones, each least recently used
+// first: the budget stays a hard limit. The held fraction is
+// EngineOptions::static_param_fraction; the optimizer state's host/NVMe split
+// is nvme_optim_fraction, and gradients live on host, as in ZeRO-Offload.
+class StaticPolicy final : public EvictionPolicy {
+ public:
+  const char* name() const noexcept override { return "static"; }
+  void on_access(ChunkId chunk, Tier tier) override { lru_.on_access(chunk, tier); }
+  void on_leave(ChunkId chunk, Tier tier) override { lru_.on_leave(chunk, tier); }
+  ChunkId choose_victim(Tier tier, const std::vector<ChunkId>& candidates) override;
+
+  void set_held(std::unordered_set<ChunkId> held);
+  bool held(ChunkId chunk) const;
+
+ private:
+  LruPolicy lru_;
+  mutable std::mutex mu_;
+  std::unordered_set<ChunkId> held_;
+};
+
+/// The chunks static placement holds on the device: the longest prefix of
+/// `param_chunks` (with their sizes) whose bytes stay within `fraction` of
+/// all of them and within `device_budget` less room to stream the two largest
+/// chunks. `fraction` < 0: as many as that room allows.
+std::unordered_set<ChunkId> static_held_chunks(const std::vector<std::pair<ChunkId, uint64_t>>& param_chunks,
+                                               double fraction, uint64_t device_budget);
 
 }  // namespace strata::memory

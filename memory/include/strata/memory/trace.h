@@ -16,7 +16,7 @@
 
 namespace strata::memory {
 
-constexpr int kTraceVersion = 1;
+constexpr int kTraceVersion = 2;
 
 struct TraceChunk {
   int64_t id = 0;
@@ -37,6 +37,7 @@ struct TraceMove {
   std::string from, to;
   uint64_t bytes = 0;
   uint64_t count = 0;
+  uint64_t demand_bytes = 0;  // of `bytes`, moved by the thread that needed them (MoveStats::demand_bytes)
 };
 
 struct TraceOp {
@@ -52,6 +53,7 @@ struct TraceOp {
   uint64_t non_model_peak = 0;   // their highest level during the operator
   std::vector<TraceMove> moves;  // chunk moves that finished during the operator
   double stall_seconds = 0.0;    // time spent waiting for chunks in flight
+  uint64_t stall_bytes = 0;      // bytes of the chunks waited for in flight
 };
 
 struct TraceStep {
@@ -65,6 +67,9 @@ struct Trace {
   int version = kTraceVersion;
   std::string device;         // the device tier's name
   std::string non_model_source;  // how non-model bytes were measured
+  std::string policy;         // the engine's device policy: auto, lru or static
+  bool prefetch = true;       // whether the engine read ahead
+  double nvme_optim_fraction = -1.0;  // EngineOptions::nvme_optim_fraction (-1: auto)
   std::array<uint64_t, kNumTiers> budgets{};
   std::vector<TraceChunk> chunks;
   std::vector<TraceStep> steps;
@@ -104,32 +109,66 @@ Trace read_trace(const std::string& path);
 namespace strata::memory {
 
 /// Note [Replaying a trace]
-/// simulate_trace() replays the traced operators against another device
-/// budget and policy: each operator's parameter chunks must be on the device
-/// together (those already placed for it are pinned), a chunk that is not
-/// there comes from host, room is made by evicting one chunk at a time (LRU:
-/// least recently used; auto: the chunk whose next use in the trace is
-/// furthest, Belady), and the optimizer step takes every parameter chunk to
-/// host, as the engine's step does. It predicts the host <-> device traffic
-/// only: host <-> nvme traffic is the trace's own, and the engine's prefetch is
-/// not modelled (it moves the same chunks earlier). Step time is the traced
-/// compute time (step time less the traced device moves at the given
-/// bandwidths) plus the predicted moves at those bandwidths.
+/// simulate_trace() replays the traced steps under other budgets and
+/// policies and predicts bytes moved, stalls and step time.
+///
+/// Device tier, operator by operator: each operator's parameter chunks must be
+/// on the device together (those already placed for it are pinned); a chunk
+/// that is not there comes from host; room is made by evicting one chunk at a
+/// time (lru: least recently used; auto: the chunk whose next use in the trace
+/// is furthest, Belady; static: streamed chunks before held ones, Note [Static
+/// placement]); static returns the previous operator's streamed chunks to host
+/// first; the optimizer step takes every parameter chunk to host, as the
+/// engine's step does. With prefetch under auto, after an operator's chunks
+/// are in, the next 4 operators' missing chunks are loaded when they all fit
+/// in the free bytes and no earlier prefetch is still in flight, as the engine
+/// does; a prefetched chunk stalls its operator only for the part of its copy
+/// that compute did not cover.
+///
+/// Host and NVMe, per step in the steady state: the optimizer state of the
+/// families homed on NVMe (nvme_optim_fraction as traced; under auto the
+/// families whose state does not fit in half the host budget) is read and
+/// written once a step. Host must hold every parameter and gradient chunk, the
+/// state homed on host, and the NVMe families in flight (two with prefetch,
+/// one without); what exceeds the host budget spills to NVMe and back each
+/// step. Without prefetch the reads are stalls; with it the reads overlap
+/// backward (as far as free host bytes allow) and the update of the previous
+/// family. Write-backs overlap the update either way.
+///
+/// Time: an operator's compute is its traced time less its traced stalls and
+/// the time of its on-demand moves at the given bandwidths; the step is the
+/// compute plus the predicted stalls. Moves are serial per direction; the
+/// model ignores contention between copies and compute (on a 2-core machine
+/// they compete, so real steps there are slower than predicted).
 struct SimulateOptions {
   uint64_t device_budget = 0;
-  std::string policy = "lru";  // lru or auto
+  uint64_t host_budget = 0;     // 0: the trace's
+  std::string policy = "lru";   // lru, auto or static
+  double static_param_fraction = -1.0;  // static: as EngineOptions::static_param_fraction
+  bool prefetch = true;
   double h2d_bytes_per_s = 10e9;
   double d2h_bytes_per_s = 10e9;
+  double nvme_read_bytes_per_s = 2e9;
+  double nvme_write_bytes_per_s = 1e9;
 };
 
 struct SimulateResult {
-  uint64_t device_budget = 0;
+  uint64_t device_budget = 0, host_budget = 0;
   bool fits = true;            // every operator's chunks fit the budget together
   std::string why;             // when not: the operator and the bytes it needs
+  // Over all traced steps:
   uint64_t h2d_bytes = 0, d2h_bytes = 0;
   uint64_t h2d_count = 0, d2h_count = 0;
   uint64_t evictions = 0;
-  double step_seconds = 0.0;   // predicted, mean over the traced steps
+  uint64_t prefetched_bytes = 0;  // of h2d_bytes, loaded ahead of use
+  // Per step, steady state:
+  size_t nvme_optim_families = 0;
+  uint64_t nvme_read_bytes = 0, nvme_write_bytes = 0;
+  uint64_t host_spill_bytes = 0;  // host demand beyond the host budget
+  double compute_seconds = 0.0;
+  double device_stall_seconds = 0.0;
+  double nvme_stall_seconds = 0.0;
+  double step_seconds = 0.0;   // compute plus stalls
 };
 
 SimulateResult simulate_trace(const Trace& trace, const SimulateOptions& options);

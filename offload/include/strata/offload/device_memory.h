@@ -26,6 +26,8 @@ class DeviceMemory {
   virtual DeviceKind kind() const noexcept = 0;
   /// "cuda:0 (NVIDIA H200)" or "emulated in host memory".
   virtual std::string name() const = 0;
+  /// The CUDA device ordinal; 0 when emulated.
+  virtual int index() const noexcept { return 0; }
   /// Guaranteed alignment of allocate()'s result.
   virtual size_t alignment() const noexcept = 0;
 

@@ -47,8 +47,14 @@ struct EngineOptions {
   /// Device eviction and prefetch: "auto" plans from the operator sequence of
   /// a warm-up step (Belady eviction, prefetch of the next operators' chunks,
   /// re-planning when the sequence changes); "lru": least recently used, no
-  /// prefetch.
+  /// prefetch; "static": Gemini's static placement, a fixed fraction of the
+  /// parameter chunks held on the device and the rest streamed (Note [Static
+  /// placement] in eviction_policy.h).
   std::string policy = "auto";
+  /// With policy "static": the fraction of parameter chunk bytes held on the
+  /// device, first chunks first; -1: as many as the device budget holds while
+  /// leaving room to stream the two largest chunks.
+  double static_param_fraction = -1.0;
   /// Read ahead: the next operators' chunks to the device (policy auto) and
   /// the next family's chunks to host in the optimizer step. false: every
   /// chunk moves when it is needed (for comparison; STRATA_PREFETCH=0).
@@ -70,7 +76,8 @@ struct EngineOptions {
   /// STRATA_CHUNK_ELEMS, STRATA_CLIP_NORM, STRATA_GRAD_ACCUMULATION,
   /// STRATA_NVME_OPTIM_FRACTION, STRATA_LOSS_SCALE (initial scale),
   /// STRATA_TRACE (trace path), STRATA_TRACE_STEPS, STRATA_POLICY,
-  /// STRATA_PREFETCH (0 or 1). A value
+  /// STRATA_STATIC_PARAM_FRACTION, STRATA_PREFETCH (0 or 1),
+  /// STRATA_DEVICE_CAPACITY. A value
   /// that does not parse is an error naming the variable.
   static EngineOptions from_env(EngineOptions base);
   /// Checks every option; throws strata::Error saying what to change.
