@@ -2,12 +2,14 @@
 // LibTorch with everything resident (the baseline) against strata with the
 // device budget at 100%, 50% and 25% of the model state, and with the
 // optimizer state on NVMe, all measured in the same run. The strata rows use
-// the auto policy; one row at 25% uses LRU, to show what planning saves, and
-// one with optimizer state on NVMe runs without read-ahead, to show what
-// prefetching saves in time spent waiting for chunks ("wait ms").
+// the auto policy; rows at 25% use LRU and static placement, to show what
+// planning saves, and one with optimizer state on NVMe runs without
+// read-ahead, to show what prefetching saves: time spent waiting for chunks
+// ("wait ms") and bytes the training thread moved itself ("on demand").
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <filesystem>
 #include <fmt/format.h>
@@ -48,6 +50,7 @@ struct Row {
   double step_ms = 0.0;
   double ratio = 1.0;
   uint64_t moved_per_step = 0;  // bytes between tiers per step
+  uint64_t demand_per_step = 0;  // of those, moved by the training thread itself (not prefetched)
   uint64_t device_peak = 0;
   double wait_ms = 0.0;  // per step: operators and optimizer waiting for chunks
   double loss = 0.0;
@@ -69,9 +72,9 @@ GptConfig parse_size(const std::string& s, int context) {
   return c;
 }
 
-uint64_t total_moved(const mem::MoveStats& m) {
+uint64_t total(const std::array<std::array<uint64_t, mem::kNumTiers>, mem::kNumTiers>& bytes) {
   uint64_t n = 0;
-  for (const auto& from : m.bytes) {
+  for (const auto& from : bytes) {
     for (uint64_t b : from) n += b;
   }
   return n;
@@ -133,18 +136,20 @@ Row run_strata(const GptConfig& mc, const Batches& data, const StepBenchOptions&
   std::vector<double> times;
   {
     auto engine = parallel::attach(*model, parallel::AdamWConfig{}, eo);
-    uint64_t moved_before = 0;
+    uint64_t moved_before = 0, demand_before = 0;
     parallel::Engine::DataWait wait_before;
     for (size_t i = 0; i < data.size(); ++i) {
       if (static_cast<int>(i) == o.warmup) {
-        moved_before = total_moved(engine->move_stats());
+        moved_before = total(engine->move_stats().bytes);
+        demand_before = total(engine->move_stats().demand_bytes);
         wait_before = engine->data_wait();
       }
       const double t = seconds(
           [&] { r.loss = engine->train_step([&] { return model->loss(data[i].first, data[i].second); }).loss; });
       if (static_cast<int>(i) >= o.warmup) times.push_back(t);
     }
-    r.moved_per_step = (total_moved(engine->move_stats()) - moved_before) / times.size();
+    r.moved_per_step = (total(engine->move_stats().bytes) - moved_before) / times.size();
+    r.demand_per_step = (total(engine->move_stats().demand_bytes) - demand_before) / times.size();
     const parallel::Engine::DataWait w = engine->data_wait();
     r.wait_ms = 1e3 * ((w.operators - wait_before.operators) + (w.optimizer - wait_before.optimizer)) / times.size();
     const mem::TierStats dev = engine->tier_stats(mem::Tier::kDevice);
@@ -162,8 +167,8 @@ void run_step_bench(const StepBenchOptions& o) {
   if (!o.json) {
     fmt::print("strata bench step: examples/gpt's model, batch {} x context {}, median of {} steps after {} warm-up\n",
                o.batch, o.context, o.steps, o.warmup);
-    fmt::print("{:<8} {:>10} {:<46} {:>12} {:>10} {:>8} {:>12} {:>9}\n", "size", "params", "configuration", "device",
-               "step ms", "ratio", "moved/step", "wait ms");
+    fmt::print("{:<8} {:>10} {:<46} {:>12} {:>10} {:>8} {:>12} {:>12} {:>9}\n", "size", "params", "configuration",
+               "device", "step ms", "ratio", "moved/step", "on demand", "wait ms");
   }
   for (const std::string& size : o.sizes) {
     const GptConfig mc = parse_size(size, o.context);
@@ -177,15 +182,17 @@ void run_step_bench(const StepBenchOptions& o) {
     local.push_back(run_baseline(mc, data, o));
     for (double f : {1.0, 0.5, 0.25}) local.push_back(run_strata(mc, data, o, f, false));
     local.push_back(run_strata(mc, data, o, 0.25, false, "lru"));  // what the auto policy saves
+    local.push_back(run_strata(mc, data, o, 0.25, false, "static"));
     local.push_back(run_strata(mc, data, o, 0.25, true));
     local.push_back(run_strata(mc, data, o, 0.25, true, "auto", /*prefetch=*/false));  // what read-ahead saves
     for (Row& r : local) {
       r.size = size;
       r.ratio = r.step_ms / local.front().step_ms;
       if (!o.json) {
-        fmt::print("{:<8} {:>10} {:<46} {:>12} {:>10.1f} {:>7.2f}x {:>12} {:>9}\n", r.size, r.params, r.config,
+        fmt::print("{:<8} {:>10} {:<46} {:>12} {:>10.1f} {:>7.2f}x {:>12} {:>12} {:>9}\n", r.size, r.params, r.config,
                    r.device_budget ? format_bytes(r.device_budget) : "-", r.step_ms, r.ratio,
                    r.device_budget ? format_bytes(r.moved_per_step) : "-",
+                   r.device_budget ? format_bytes(r.demand_per_step) : "-",
                    r.device_budget ? fmt::format("{:.1f}", r.wait_ms) : "-");
         std::fflush(stdout);
       }
@@ -203,6 +210,7 @@ void run_step_bench(const StepBenchOptions& o) {
                    {"step_ms", r.step_ms},
                    {"ratio_to_baseline", r.ratio},
                    {"moved_bytes_per_step", r.moved_per_step},
+                   {"on_demand_bytes_per_step", r.demand_per_step},
                    {"data_wait_ms_per_step", r.wait_ms},
                    {"last_loss", r.loss}});
     }

@@ -64,8 +64,9 @@ struct EngineOptions {
   /// chunk budget becomes capacity x device_safety_ratio minus the larger of
   /// the non-model bytes live now and the peak the plan recorded until the
   /// next operator, never above budgets.device (Note [Device capacity]).
-  /// Emulated device only for now: non-model bytes come from LibTorch's CPU
-  /// allocator (STRATA_DEVICE_CAPACITY).
+  /// Non-model bytes come from LibTorch's CPU allocator on the emulated
+  /// device and from the CUDA caching allocator on a GPU
+  /// (STRATA_DEVICE_CAPACITY).
   uint64_t device_capacity = 0;
   double device_safety_ratio = 0.9;
   int trace_steps = 2;
