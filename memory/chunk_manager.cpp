@@ -284,6 +284,8 @@ void ChunkManager::transfer(Chunk& c, Tier to, Lock& lock) {
   }
   outgoing_[static_cast<int>(from)] += 1;
   incoming_[static_cast<int>(to)] += 1;
+  moves_.started_bytes[static_cast<int>(from)][static_cast<int>(to)] += bytes;
+  moves_.started_count[static_cast<int>(from)][static_cast<int>(to)] += 1;
   void* src = c.ptr_;
   const ChunkId key = c.id_;
   lock.unlock();  // the bytes move without the lock; `c` is busy, so nobody else touches it

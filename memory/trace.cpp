@@ -51,10 +51,14 @@ std::string trace_to_json(const Trace& t) {
       moves.push_back(
           {{"from", m.from}, {"to", m.to}, {"bytes", m.bytes}, {"count", m.count}, {"demand_bytes", m.demand_bytes}});
     }
+    json started = json::array();
+    for (const TraceMove& m : o.started) {
+      started.push_back({{"from", m.from}, {"to", m.to}, {"bytes", m.bytes}, {"count", m.count}});
+    }
     ops.push_back({{"index", o.index}, {"step", o.step}, {"name", o.name}, {"phase", o.phase}, {"start", o.start},
                    {"seconds", o.seconds}, {"chunks", touches}, {"model_bytes", tiers_json(o.model_bytes)},
                    {"non_model_bytes", o.non_model_bytes}, {"non_model_peak", o.non_model_peak}, {"moves", moves},
-                   {"stall_seconds", o.stall_seconds}, {"stall_bytes", o.stall_bytes}});
+                   {"started", started}, {"stall_seconds", o.stall_seconds}, {"stall_bytes", o.stall_bytes}});
   }
   json j = {{"format", "strata-trace"}, {"version", t.version}, {"device", t.device},
             {"non_model_source", t.non_model_source}, {"policy", t.policy}, {"prefetch", t.prefetch},
@@ -109,6 +113,10 @@ Trace trace_from_json(const std::string& text) {
       for (const json& m : o.at("moves")) {
         op.moves.push_back({m.at("from").get<std::string>(), m.at("to").get<std::string>(), m.at("bytes").get<uint64_t>(),
                             m.at("count").get<uint64_t>(), m.at("demand_bytes").get<uint64_t>()});
+      }
+      for (const json& m : o.at("started")) {
+        op.started.push_back({m.at("from").get<std::string>(), m.at("to").get<std::string>(),
+                              m.at("bytes").get<uint64_t>(), m.at("count").get<uint64_t>(), 0});
       }
       op.stall_seconds = o.at("stall_seconds").get<double>();
       op.stall_bytes = o.at("stall_bytes").get<uint64_t>();

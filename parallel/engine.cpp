@@ -68,8 +68,9 @@ class GradToChunk final : public torch::autograd::FunctionPreHook {
 // only those touching parameters). Each becomes a TraceOp: the parameter
 // chunks it touched and where they were when it began, chunk bytes per tier
 // after it, non-model bytes (NonModelCounter) live after it and their peak
-// during it, and the chunk moves and stall time since the previous record, so
-// that moves finishing between operators (prefetches) are counted once. The
+// during it, and the chunk moves started and finished (and how many bytes of
+// those were moved on demand) and the stall time since the previous record,
+// so that moves between operators (prefetches) are counted once. The
 // optimizer step is one more record, "strata::optimizer_step". After
 // trace_steps steps the trace is written (write_trace: temporary file and
 // rename) and recording stops.
@@ -112,10 +113,12 @@ struct TraceRecorder {
       for (int b = 0; b < memory::kNumTiers; ++b) {
         const uint64_t bytes = now.bytes[a][b] - last.bytes[a][b];
         const uint64_t count = now.count[a][b] - last.count[a][b];
-        if (count > 0) {
-          current.moves.push_back({memory::tier_name(static_cast<memory::Tier>(a)),
-                                   memory::tier_name(static_cast<memory::Tier>(b)), bytes, count,
-                                   now.demand_bytes[a][b] - last.demand_bytes[a][b]});
+        const char* from = memory::tier_name(static_cast<memory::Tier>(a));
+        const char* to = memory::tier_name(static_cast<memory::Tier>(b));
+        if (count > 0) current.moves.push_back({from, to, bytes, count, now.demand_bytes[a][b] - last.demand_bytes[a][b]});
+        const uint64_t started = now.started_count[a][b] - last.started_count[a][b];
+        if (started > 0) {
+          current.started.push_back({from, to, now.started_bytes[a][b] - last.started_bytes[a][b], started, 0});
         }
       }
     }
@@ -216,6 +219,8 @@ struct Engine::Impl : OpObserver {
   // capacity holds at operator boundaries.
   NonModelCounter* nm_counter = nullptr;
   std::vector<uint64_t> plan_nm_rec, plan_nm;  // non-model peak after each planned operator
+  std::vector<uint64_t> plan_live_rec, plan_live;  // non-model bytes live as each planned operator began
+  bool nm_stale = false;  // this step's activations departed from the plan's
   uint64_t capacity_floor = UINT64_MAX;        // lowest chunk budget set, for tests and reports
   using Clock = std::chrono::steady_clock;
   static double seconds_since(Clock::time_point t) {
@@ -373,17 +378,28 @@ struct Engine::Impl : OpObserver {
   void apply_capacity(const c10::OperatorHandle& op, uint64_t needed) {
     const uint64_t interval = nm_counter->interval_peak();  // since the previous operator with parameters
     nm_counter->reset_interval_peak();
+    const uint64_t live = nm_counter->current();
     uint64_t predicted = 0;
     if (planner != nullptr && in_step) {
       const int64_t k = cursor - 1;  // follow_plan counted this operator
       if (planning) {
         if (!plan_nm_rec.empty()) plan_nm_rec.back() = std::max(plan_nm_rec.back(), interval);
         plan_nm_rec.push_back(0);
+        plan_live_rec.push_back(live);
       } else if (!diverged && k >= 0 && k < static_cast<int64_t>(plan_nm.size())) {
-        predicted = plan_nm[k];
+        // Activations unlike the planning step's (another sequence length or
+        // batch): the peaks ahead are assumed to grow by as much, and the
+        // next step records them again.
+        const uint64_t planned = plan_live[k];
+        predicted = plan_nm[k] + (live > planned ? live - planned : 0);
+        const uint64_t gap = live > planned ? live - planned : planned - live;
+        if (!nm_stale && gap > std::max<uint64_t>(64 << 10, planned / 4)) {
+          nm_stale = true;
+          STRATA_LOG(kInfo, "operator #{} ({}) starts with {} of activations where the plan had {}: re-planning "
+                     "next step", k, op.schema().name(), format_bytes(live), format_bytes(planned));
+        }
       }
     }
-    const uint64_t live = nm_counter->current();
     const uint64_t non_model = std::max(live, predicted);
     const uint64_t usable = usable_capacity();
     STRATA_CHECK(usable >= live + needed, "operator ", op.schema().name(), " needs ", format_bytes(needed),
@@ -412,9 +428,11 @@ struct Engine::Impl : OpObserver {
     in_step = true;
     cursor = 0;
     diverged = false;
+    nm_stale = false;
     if (planning) {
       plan_rec.clear();
       plan_nm_rec.clear();
+      plan_live_rec.clear();
     }
   }
 
@@ -430,10 +448,12 @@ struct Engine::Impl : OpObserver {
       }
       plan_nm = std::move(plan_nm_rec);
       plan_nm_rec.clear();
+      plan_live = std::move(plan_live_rec);
+      plan_live_rec.clear();
       planner->set_plan(std::move(plan_rec));
       plan_rec.clear();
       planning = false;
-    } else if (diverged || cursor != static_cast<int64_t>(planner->plan_size())) {
+    } else if (diverged || nm_stale || cursor != static_cast<int64_t>(planner->plan_size())) {
       planner->clear_plan();
       planning = true;
       replans += 1;

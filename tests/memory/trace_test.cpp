@@ -32,6 +32,7 @@ Trace sample() {
   a.non_model_bytes = 100;
   a.non_model_peak = 300;
   a.moves = {{"host", "device", 4096, 1, 4096}};
+  a.started = {{"host", "device", 4096, 1, 0}};
   a.stall_seconds = 0.001;
   a.stall_bytes = 4096;
   TraceOp b = a;
@@ -52,6 +53,8 @@ TEST(Trace, JsonRoundTrip) {
   EXPECT_EQ(trace_to_json(r), trace_to_json(t));
   ASSERT_EQ(r.ops.size(), 2u);
   EXPECT_EQ(r.ops[1].moves[1].bytes, 8192u);
+  EXPECT_EQ(r.ops[1].moves[1].demand_bytes, 4096u);
+  EXPECT_EQ(r.ops[0].started[0].count, 1u);
   EXPECT_EQ(r.chunks[1].dtype, "bf16");
   EXPECT_EQ(r.budgets[0], 4096u);
 }

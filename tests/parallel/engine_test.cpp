@@ -348,6 +348,16 @@ TEST(Engine, RecordsATraceOfTheWarmUpSteps) {
     for (int b = 0; b < memory::kNumTiers; ++b) expected += after.bytes[a][b] - before.bytes[a][b];
   }
   EXPECT_EQ(moved, expected) << "every move of the traced steps, counted once";
+  uint64_t started = 0, demand = 0, expected_demand = 0;
+  for (const memory::TraceOp& op : t.ops) {
+    for (const memory::TraceMove& m : op.started) started += m.bytes;
+    for (const memory::TraceMove& m : op.moves) demand += m.demand_bytes;
+  }
+  for (int a = 0; a < memory::kNumTiers; ++a) {
+    for (int b = 0; b < memory::kNumTiers; ++b) expected_demand += after.demand_bytes[a][b] - before.demand_bytes[a][b];
+  }
+  EXPECT_EQ(started, expected) << "no move failed, so every move started was finished";
+  EXPECT_EQ(demand, expected_demand);
   EXPECT_GT(non_model_peak, 16u * 64 * sizeof(float)) << "activations of the first layer at least";
   std::filesystem::remove(path);
 }
@@ -599,6 +609,49 @@ TEST(Engine, DeviceCapacityLeavesRoomForActivationsAndAdaptsToMore) {
   std::printf("lowest chunk budget %llu of capacity %llu\n", static_cast<unsigned long long>(lowest),
               static_cast<unsigned long long>(capacity));
   std::filesystem::remove(path);
+}
+
+// A sequence model whose sequence length changes mid-run, with chunks and
+// activations sharing a device capacity: the same operators use the same
+// chunks, but the activations no longer look like the plan's, so the engine
+// re-plans (re-traces) the next step, never runs out, and trains as plain
+// LibTorch does.
+TEST(Engine, SequenceLengthChangeRetracesUnderDeviceCapacity) {
+  torch::manual_seed(47);
+  auto make = [] {
+    return torch::nn::Sequential(torch::nn::Linear(64, 128), torch::nn::GELU(), torch::nn::Linear(128, 128),
+                                 torch::nn::GELU(), torch::nn::Linear(128, 64));
+  };
+  auto reference = make();
+  auto model = make();
+  copy_params(*reference, *model);
+  AdamWConfig cfg;
+  cfg.lr = 1e-2f;
+  torch::optim::AdamW opt(reference->parameters(), torch::optim::AdamWOptions(cfg.lr).weight_decay(cfg.weight_decay));
+  EngineOptions o;
+  o.budgets = {160 << 10, 4 << 20, 0};
+  o.chunk_elems = 128 * 128 + 128;
+  o.device_capacity = 4 << 20;
+  auto engine = attach(*model, cfg, o);
+  const int64_t seq[] = {16, 16, 16, 64, 64, 64, 16, 16};
+  std::vector<int64_t> replans;
+  for (int s = 0; s < 8; ++s) {
+    const torch::Tensor x = torch::randn({4, seq[s], 64}), y = torch::randn({4, seq[s], 64});
+    opt.zero_grad();
+    torch::Tensor ref_loss = torch::mse_loss(reference->forward(x), y);
+    ref_loss.backward();
+    opt.step();
+    const StepResult r = engine->train_step([&] { return torch::mse_loss(model->forward(x), y); });
+    EXPECT_LT(rel(r.loss, ref_loss.item<double>()), 1e-5) << "step " << s;
+    replans.push_back(engine->replans());
+  }
+  EXPECT_EQ(replans[2], 0) << "the same sequence length keeps the plan";
+  EXPECT_EQ(replans[3], 1) << "4x the sequence: activations unlike the plan's, re-trace";
+  EXPECT_EQ(replans[5], 1) << "the new plan holds while the length does";
+  EXPECT_EQ(replans[6], 2) << "back to 16: re-trace again";
+  EXPECT_LE(engine->tier_stats(memory::Tier::kDevice).peak, o.budgets.device);
+  engine.reset();
+  expect_params_close(*reference, *model);
 }
 
 // Note [Device capacity], between operators with parameters: a large

@@ -77,6 +77,10 @@ struct MoveStats {
   // [from][to], indexed by Tier.
   std::array<std::array<uint64_t, kNumTiers>, kNumTiers> bytes{};
   std::array<std::array<uint64_t, kNumTiers>, kNumTiers> count{};
+  // Moves started (bytes reserved at the destination), finished or not; a
+  // failed move is started but never counted in bytes/count.
+  std::array<std::array<uint64_t, kNumTiers>, kNumTiers> started_bytes{};
+  std::array<std::array<uint64_t, kNumTiers>, kNumTiers> started_count{};
   // Moves made on demand: by the thread that needed the chunk (access(),
   // move()), not by a prefetch on the copy engine, evictions they caused
   // included. The caller waited for every one of these bytes; a prefetch

@@ -52,6 +52,7 @@ struct TraceOp {
   uint64_t non_model_bytes = 0;  // activations and workspace live after the operator
   uint64_t non_model_peak = 0;   // their highest level during the operator
   std::vector<TraceMove> moves;  // chunk moves that finished during the operator
+  std::vector<TraceMove> started;  // chunk moves that started during it (demand_bytes unused)
   double stall_seconds = 0.0;    // time spent waiting for chunks in flight
   uint64_t stall_bytes = 0;      // bytes of the chunks waited for in flight
 };
