@@ -6,6 +6,13 @@
 //       [--device-budget B] [--host-budget B] [--nvme-budget B] [--nvme-dir DIR]
 //       [--precision fp32|bf16|fp16] [--grad-accumulation N] [--clip-norm 1]
 //       [--nvme-optim-fraction F] [--chunk-elems N] [--lr 3e-3] [--baseline]
+//       [--save-every N] [--checkpoint-dir DIR] [--resume DIR] [--export-weights FILE]
+//
+// --save-every N saves the full training state to --checkpoint-dir every N
+// steps (atomically: the directory always holds one complete checkpoint);
+// --resume DIR loads one and continues from its step, with the same data
+// order, so an interrupted run resumed finishes as the uninterrupted one.
+// --export-weights writes the trained weights as safetensors at the end.
 //
 // The default corpus is Debian's fortunes-min package (/usr/share/games/fortunes),
 // read as bytes. Budgets default to 1/4 (device), 1/2 (host) and 2x (nvme) of
@@ -72,6 +79,13 @@ int run(int argc, char** argv) {
   app.add_option("--nvme-optim-fraction", opts.nvme_optim_fraction,
                  "fraction of chunk families whose optimizer state lives on NVMe; -1: auto");
   app.add_option("--chunk-elems", opts.chunk_elems, "elements per chunk; 0: auto");
+  int save_every = 0;
+  std::string checkpoint_dir = "gpt-checkpoint", resume, export_weights;
+  app.add_option("--save-every", save_every, "save a checkpoint every N steps to --checkpoint-dir; 0: never")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--checkpoint-dir", checkpoint_dir, "where --save-every saves (replaced atomically each time)");
+  app.add_option("--resume", resume, "load this checkpoint and continue from its step");
+  app.add_option("--export-weights", export_weights, "write the trained weights here as safetensors at the end");
   bool baseline = false;
   app.add_flag("--baseline", baseline, "train with plain LibTorch and torch::optim::AdamW instead (for comparison)");
   CLI11_PARSE(app, argc, argv);
@@ -119,13 +133,26 @@ int run(int argc, char** argv) {
              strata::format_bytes(opts.budgets.host), strata::format_bytes(opts.budgets.nvme), nvme_dir,
              engine->nvme_optim_families(), engine->num_families());
 
+  int first_step = 1;
+  if (!resume.empty()) {
+    engine->load(resume);
+    first_step = static_cast<int>(engine->micro_steps()) + 1;
+    fmt::print("resumed from {} at step {}\n", resume, first_step);
+  }
   const bool tty = isatty(STDOUT_FILENO);
   const auto start = std::chrono::steady_clock::now();
-  double first_loss = 0, avg = 0;
-  for (int step = 1; step <= steps; ++step) {
+  double first_loss = 0, avg = 0, last = 0;
+  for (int step = first_step; step <= steps; ++step) {
     const auto [x, y] = strata::examples::sample_batch(corpus, batch, mc.context);
     const auto r = engine->train_step([&] { return model->loss(x, y); });
-    if (step == 1) first_loss = avg = r.loss;
+    if (step == first_step) first_loss = avg = r.loss;
+    last = r.loss;
+    if (save_every > 0 && step % save_every == 0) {
+      const auto t0 = std::chrono::steady_clock::now();
+      engine->save(checkpoint_dir);
+      const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      if (!tty) fmt::print("saved step {} to {} in {:.2f} s\n", step, checkpoint_dir, secs);
+    }
     avg = 0.95 * avg + 0.05 * r.loss;
     if (tty || step % 25 == 0 || step == steps) {
       const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -148,7 +175,12 @@ int run(int argc, char** argv) {
     fmt::print("{:<7} peak {} of budget {}\n", mem::tier_name(t), strata::format_bytes(s.peak),
                strata::format_bytes(s.budget));
   }
-  fmt::print("loss {:.3f} -> {:.3f} over {} steps\n", first_loss, avg, steps);
+  fmt::print("loss {:.3f} -> {:.3f} over {} steps; last step's loss {:.6f}\n", first_loss, avg,
+             steps - first_step + 1, last);
+  if (!export_weights.empty()) {
+    engine->export_weights(export_weights);
+    fmt::print("weights written to {} (safetensors)\n", export_weights);
+  }
   // Sample a line from the trained model.
   torch::Tensor idx = corpus.slice(0, 0, 8).unsqueeze(0);
   for (int i = 0; i < 80; ++i) {
@@ -159,7 +191,7 @@ int run(int argc, char** argv) {
   std::string sample;
   for (int64_t i = 0; i < idx.size(1); ++i) sample += static_cast<char>(idx[0][i].item<int64_t>());
   fmt::print("sample: {}\n", sample);
-  return avg < first_loss ? 0 : 1;
+  return first_step > steps || avg < first_loss ? 0 : 1;
 }
 
 }  // namespace

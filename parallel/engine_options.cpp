@@ -62,6 +62,7 @@ EngineOptions EngineOptions::from_env(EngineOptions base) {
   from_env_var("STRATA_POLICY", [&](const std::string& v) { o.policy = v; });
   from_env_var("STRATA_STATIC_PARAM_FRACTION",
                [&](const std::string& v) { o.static_param_fraction = parse_number(v); });
+  from_env_var("STRATA_INIT_WEIGHTS", [&](const std::string& v) { o.init_weights = v; });
   from_env_var("STRATA_LOSS_SCALE", [&](const std::string& v) { o.loss_scale.initial = parse_number(v); });
   o.validate();
   return o;

@@ -62,6 +62,8 @@ class Engine {
   torch::ScalarType compute_dtype() const;
   double loss_scale() const;
   int64_t skipped_steps() const;
+  /// train_step calls since attach (restored by load()).
+  int64_t micro_steps() const;
   /// Seconds operators (forward and backward) and the optimizer step spent
   /// waiting for their chunks: moves on demand and waits for moves in flight.
   struct DataWait {
@@ -73,6 +75,20 @@ class Engine {
   uint64_t lowest_device_budget() const;
   /// Times the operator sequence diverged from the "auto" policy's plan and was planned again.
   int64_t replans() const;
+
+  /// Saves the full training state to directory `dir`, atomically: master
+  /// weights, optimizer state (wherever it lives, NVMe included), gradients
+  /// mid-accumulation, step counts, the loss scaler and the RNG state,
+  /// streamed chunk family by chunk family (docs/checkpoint.md). Placement
+  /// and budgets are not part of it.
+  void save(const std::string& dir);
+  /// Loads a checkpoint saved by save(), under any budgets and placement.
+  /// Every file is verified against the manifest, and the parameter names,
+  /// shapes and dtypes against this engine's, before anything changes.
+  void load(const std::string& dir);
+  /// Writes the fp32 weights of every parameter (trainable or frozen) as a
+  /// safetensors file named as module.named_parameters() names them.
+  void export_weights(const std::string& path);
 
   memory::ChunkManager& chunks();
   memory::TierStats tier_stats(memory::Tier tier) const;

@@ -70,6 +70,9 @@ struct EngineOptions {
   uint64_t device_capacity = 0;
   double device_safety_ratio = 0.9;
   int trace_steps = 2;
+  /// A safetensors file whose tensors initialise the module's parameters at
+  /// attach, matched by named_parameters() name (STRATA_INIT_WEIGHTS).
+  std::string init_weights;
 
   /// `base` with every option the environment sets replaced:
   /// STRATA_DEVICE_BUDGET, STRATA_HOST_BUDGET, STRATA_NVME_BUDGET (sizes such
@@ -78,7 +81,7 @@ struct EngineOptions {
   /// STRATA_NVME_OPTIM_FRACTION, STRATA_LOSS_SCALE (initial scale),
   /// STRATA_TRACE (trace path), STRATA_TRACE_STEPS, STRATA_POLICY,
   /// STRATA_STATIC_PARAM_FRACTION, STRATA_PREFETCH (0 or 1),
-  /// STRATA_DEVICE_CAPACITY. A value
+  /// STRATA_DEVICE_CAPACITY, STRATA_INIT_WEIGHTS. A value
   /// that does not parse is an error naming the variable.
   static EngineOptions from_env(EngineOptions base);
   /// Checks every option; throws strata::Error saying what to change.

@@ -1,0 +1,349 @@
+// Engine checkpoints: resume is bit-identical to training on (fp32, NVMe
+// optimizer state, another placement, mid-accumulation), bf16 resume, damage
+// and mismatches refused before anything changes, SIGKILL during a save at
+// several points never loses the previous checkpoint, and safetensors
+// weights read back by an independent reader and imported at attach.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <sstream>
+#include <thread>
+
+#include "strata/checkpoint/checkpoint_dir.h"
+#include "strata/core/error.h"
+#include "strata/parallel/engine.h"
+#include "test_util.h"
+
+namespace strata::parallel {
+namespace {
+namespace fs = std::filesystem;
+
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "no error";
+}
+
+struct RunConfig {
+  DType precision = DType::kFloat32;
+  int grad_accumulation = 1;
+  bool nvme = false;
+  double device_fraction = 0.25;
+};
+
+EngineOptions options_for(torch::nn::Module& model, const RunConfig& s, const std::string& nvme_dir) {
+  int64_t params = 0;
+  for (const auto& p : model.parameters()) params += p.numel();
+  EngineOptions o;
+  o.budgets = {static_cast<uint64_t>(params * 16 * s.device_fraction) / 4096 * 4096 + 8192, 1 << 20, 0};
+  o.precision = s.precision;
+  o.grad_accumulation = s.grad_accumulation;
+  o.chunk_elems = 1024;
+  if (s.nvme) {
+    o.budgets.nvme = 8 << 20;
+    o.nvme_dir = nvme_dir;
+    o.nvme_optim_fraction = 1.0;
+  }
+  return o;
+}
+
+// `steps` micro-steps on batches drawn from LibTorch's RNG; the losses.
+std::vector<double> train(Engine& engine, torch::nn::Module& model, int steps) {
+  std::vector<double> losses;
+  auto& seq = dynamic_cast<torch::nn::SequentialImpl&>(model);
+  for (int s = 0; s < steps; ++s) {
+    const torch::Tensor x = torch::randn({16, 32}), y = torch::randn({16, 8});
+    losses.push_back(engine
+                         .train_step([&] {
+                           return torch::mse_loss(seq.forward(x.to(engine.compute_dtype())).to(torch::kFloat32), y);
+                         })
+                         .loss);
+  }
+  return losses;
+}
+
+// Train 10 (or 9, to stop mid-accumulation), save, train 10 more; separately
+// load into a differently initialised model under other budgets and train the
+// same 10. Returns the largest relative difference of the parameters.
+double resume_gap(const RunConfig& setup, const RunConfig& loader) {
+  const std::string dir = temp_path("ckpt-resume"), nvme = temp_path("ckpt-resume-nvme");
+  const int first = setup.grad_accumulation > 1 ? 9 : 10;
+  torch::manual_seed(1);
+  auto a = deep_mlp(3);
+  std::vector<double> continued;
+  {
+    auto engine = attach(*a, AdamWConfig{}, options_for(*a, setup, nvme + "-a"));
+    train(*engine, *a, first);
+    engine->save(dir);
+    continued = train(*engine, *a, 10);
+  }
+  auto b = deep_mlp(4);  // other initial weights: the checkpoint must replace them all
+  torch::manual_seed(99);  // and another RNG state: the checkpoint restores it
+  std::vector<double> resumed;
+  {
+    auto engine = attach(*b, AdamWConfig{}, options_for(*b, loader, nvme + "-b"));
+    engine->load(dir);
+    resumed = train(*engine, *b, 10);
+  }
+  EXPECT_EQ(resumed, continued) << "losses after resume";
+  double worst = 0;
+  auto pa = a->parameters();
+  auto pb = b->parameters();
+  for (size_t i = 0; i < pa.size(); ++i) worst = std::max(worst, ((pa[i] - pb[i]).abs().max() / pa[i].abs().max()).item<double>());
+  fs::remove_all(dir);
+  fs::remove_all(nvme + "-a");
+  fs::remove_all(nvme + "-b");
+  return worst;
+}
+
+TEST(Checkpoint, ResumeIsBitIdenticalInFp32) {
+  EXPECT_EQ(resume_gap({}, {}), 0.0);
+}
+
+TEST(Checkpoint, ResumeIsBitIdenticalWithOptimizerStateOnNvmeAndAnotherPlacement) {
+  RunConfig nvme;
+  nvme.nvme = true;
+  RunConfig roomy;  // loaded with the device budget at the whole model state, no NVMe
+  roomy.device_fraction = 1.0;
+  EXPECT_EQ(resume_gap(nvme, roomy), 0.0);
+  EXPECT_EQ(resume_gap(roomy, nvme), 0.0);
+}
+
+TEST(Checkpoint, ResumeMidAccumulationIsBitIdentical) {
+  RunConfig acc;
+  acc.grad_accumulation = 2;  // saved after micro-step 9: gradients of one micro-step pending
+  EXPECT_EQ(resume_gap(acc, acc), 0.0);
+}
+
+// The bf16 compute copy is saved beside the fp32 master, so bf16 resumes bit
+// for bit too (the issue asks only for a tolerance).
+TEST(Checkpoint, Bf16ResumeIsBitIdentical) {
+  RunConfig bf16;
+  bf16.precision = DType::kBFloat16;
+  EXPECT_EQ(resume_gap(bf16, bf16), 0.0);
+}
+
+// Every kind of damage to every file, and a model that does not match: each
+// gives a clear error naming the file or the parameter.
+TEST(Checkpoint, DamageAndMismatchAreRefusedBeforeAnythingChanges) {
+  const std::string dir = temp_path("ckpt-damage");
+  torch::manual_seed(5);
+  auto model = deep_mlp(6);
+  auto engine = attach(*model, AdamWConfig{}, options_for(*model, {}, ""));
+  train(*engine, *model, 3);
+  engine->save(dir);
+  const std::string pristine = temp_path("ckpt-pristine");
+  fs::copy(dir, pristine, fs::copy_options::recursive);
+  auto restore = [&] {
+    fs::remove_all(dir);
+    fs::copy(pristine, dir, fs::copy_options::recursive);
+  };
+  auto expect_refused = [&](const std::string& what, const std::string& needle) {
+    const std::string e = error_of([&] { engine->load(dir); });
+    EXPECT_NE(e.find(needle), std::string::npos) << what << ": " << e;
+  };
+  for (const auto& entry : fs::directory_iterator(pristine)) {
+    const std::string name = entry.path().filename().string();
+    if (name == "manifest.json") continue;
+    restore();
+    {
+      std::fstream f(dir + "/" + name, std::ios::in | std::ios::out | std::ios::binary);
+      f.seekg(static_cast<std::streamoff>(fs::file_size(dir + "/" + name) / 2));
+      char c = 0;
+      f.get(c);
+      f.seekp(static_cast<std::streamoff>(fs::file_size(dir + "/" + name) / 2));
+      f.put(static_cast<char>(c ^ 1));
+    }
+    expect_refused("flipped byte in " + name, name + " is corrupted");
+    restore();
+    fs::resize_file(dir + "/" + name, fs::file_size(dir + "/" + name) - 1);
+    expect_refused("truncated " + name, "(truncated)");
+    restore();
+    fs::remove(dir + "/" + name);
+    expect_refused("missing " + name, name + " is missing");
+  }
+  restore();
+  fs::remove(dir + "/manifest.json");
+  expect_refused("no manifest", "has no manifest.json");
+  restore();
+  {
+    std::ifstream in(dir + "/manifest.json");
+    std::stringstream text;
+    text << in.rdbuf();
+    std::string m = text.str();
+    m.replace(m.find("\"version\": 1"), 12, "\"version\": 2");
+    std::ofstream(dir + "/manifest.json") << m;
+  }
+  expect_refused("newer version", "version 2 is newer than this strata reads");
+  restore();
+  {
+    // A model of another shape refuses the (intact) checkpoint by name.
+    auto wide = torch::nn::Sequential(torch::nn::Linear(32, 64), torch::nn::ReLU(), torch::nn::Linear(64, 65),
+                                      torch::nn::ReLU(), torch::nn::Linear(65, 64), torch::nn::ReLU(),
+                                      torch::nn::Linear(64, 8));
+    auto other = attach(*wide, AdamWConfig{}, options_for(*wide, {}, ""));
+    const std::string e = error_of([&] { other->load(dir); });
+    EXPECT_NE(e.find("parameter 2.weight is [64, 64] in the checkpoint but [65, 64] in the model"), std::string::npos)
+        << e;
+    EXPECT_NE(e.find("nothing was loaded"), std::string::npos) << e;
+  }
+  fs::remove_all(dir);
+  fs::remove_all(pristine);
+}
+
+// A failed load leaves the engine exactly where it was: it continues like a
+// twin that never saw the damaged checkpoint.
+TEST(Checkpoint, FailedLoadLeavesTheEngineAsItWas) {
+  const std::string dir = temp_path("ckpt-twin");
+  auto a = deep_mlp(8);
+  auto b = deep_mlp(8);
+  auto ea = attach(*a, AdamWConfig{}, options_for(*a, {}, ""));
+  auto eb = attach(*b, AdamWConfig{}, options_for(*b, {}, ""));
+  torch::manual_seed(9);
+  train(*ea, *a, 2);
+  ea->save(dir);
+  torch::manual_seed(10);
+  train(*ea, *a, 2);
+  torch::manual_seed(9);
+  train(*eb, *b, 2);
+  torch::manual_seed(10);
+  train(*eb, *b, 2);
+  fs::resize_file(dir + "/exp_avg.safetensors", 100);
+  EXPECT_NE(error_of([&] { ea->load(dir); }).find("truncated"), std::string::npos);
+  torch::manual_seed(11);
+  const auto la = train(*ea, *a, 3);
+  torch::manual_seed(11);
+  const auto lb = train(*eb, *b, 3);
+  EXPECT_EQ(la, lb);
+  fs::remove_all(dir);
+}
+
+// SIGKILL in the middle of a save, at each point a save passes and at random
+// moments: the directory always holds one complete checkpoint that verifies
+// and loads, the previous one or the new one.
+TEST(Checkpoint, KilledSavesNeverLoseTheCheckpoint) {
+  const std::string dir = temp_path("ckpt-crash"), nvme = temp_path("ckpt-crash-nvme");
+  auto run = [&](int steps, const char* kill_at, int kill_after_ms) {
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+      if (kill_at != nullptr) ::setenv("STRATA_CHECKPOINT_KILL_AT", kill_at, 1);
+      const std::string n = std::to_string(steps);
+      ::execl(STRATA_CRASH_HELPER, STRATA_CRASH_HELPER, dir.c_str(), n.c_str(), nvme.c_str(), nullptr);
+      ::_exit(127);
+    }
+    if (kill_after_ms >= 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(kill_after_ms));
+      ::kill(pid, SIGKILL);
+    }
+    int status = 0;
+    ::waitpid(pid, &status, 0);
+    return status;
+  };
+  auto steps_of_checkpoint = [&] {
+    checkpoint::CheckpointReader r(dir);
+    r.verify();
+    const nlohmann::json st = nlohmann::json::parse(r.read_text("state.json"));
+    // Load it too, into the helper's model.
+    torch::manual_seed(7);
+    auto model = torch::nn::Sequential(torch::nn::Linear(32, 64), torch::nn::ReLU(), torch::nn::Linear(64, 8));
+    EngineOptions o;
+    o.budgets = {1 << 20, 1 << 20, 0};
+    auto engine = attach(*model, AdamWConfig{}, o);
+    engine->load(dir);
+    return st.at("parameters").at(0).at("steps").get<int64_t>();
+  };
+  fs::remove_all(dir);
+  int status = run(2, nullptr, -1);
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  ASSERT_EQ(steps_of_checkpoint(), 2);
+  // The helper's first save (of step 1) is killed at each point.
+  for (const char* point : {"data", "before-manifest", "before-rename", "after-rename"}) {
+    status = run(3, point, -1);
+    ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) << point << " status " << status;
+    const int64_t steps = steps_of_checkpoint();
+    const bool swapped = std::string(point) == "after-rename";
+    EXPECT_EQ(steps, swapped ? 1 : 2) << point;
+    if (swapped) ASSERT_EQ(run(2, nullptr, -1), 0);  // back to the step-2 checkpoint for the next point
+  }
+  // Killed from outside at random moments of a run that saves after every step.
+  std::mt19937 rng(12345);
+  for (int i = 0; i < 4; ++i) {
+    run(40, nullptr, 200 + static_cast<int>(rng() % 800));
+    const int64_t steps = steps_of_checkpoint();
+    EXPECT_GE(steps, 1);
+    EXPECT_LE(steps, 40);
+  }
+  // A killed save's temporary directory remains until the next save, which removes it.
+  ASSERT_EQ(run(1, nullptr, -1), 0);
+  for (const auto& e : fs::directory_iterator(fs::path(dir).parent_path())) {
+    EXPECT_NE(e.path().filename().string().rfind(fs::path(dir).filename().string() + ".tmp-", 0), 0u) << e.path();
+  }
+  fs::remove_all(dir);
+  fs::remove_all(nvme);
+}
+
+// Weights leave strata as safetensors an independent reader understands, and
+// come back in at attach.
+TEST(Checkpoint, WeightsExportAsSafetensorsAndImportAtAttach) {
+  const std::string path = temp_path("weights", ".safetensors");
+  auto model = deep_mlp(12);
+  model[2]->as<torch::nn::Linear>()->bias.set_requires_grad(false);  // a frozen parameter is exported too
+  {
+    auto engine = attach(*model, AdamWConfig{}, options_for(*model, {}, ""));
+    torch::manual_seed(13);
+    train(*engine, *model, 3);
+    engine->export_weights(path);
+  }  // detached: the module's tensors hold the trained values again
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream buf;
+  buf << in.rdbuf();
+  const std::string file = buf.str();
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<uint8_t>(file[i]);
+  const nlohmann::json h = nlohmann::json::parse(file.substr(8, n));
+  const char* data = file.data() + 8 + n;
+  size_t checked = 0;
+  for (const auto& item : model->named_parameters()) {
+    ASSERT_TRUE(h.contains(item.key())) << item.key();
+    const nlohmann::json& t = h[item.key()];
+    EXPECT_EQ(t["dtype"], "F32");
+    EXPECT_EQ(t["shape"].get<std::vector<int64_t>>(), item.value().sizes().vec());
+    const uint64_t begin = t["data_offsets"][0], end = t["data_offsets"][1];
+    ASSERT_EQ(end - begin, static_cast<uint64_t>(item.value().numel()) * 4);
+    const torch::Tensor v = item.value().detach().contiguous();
+    EXPECT_EQ(std::memcmp(data + begin, v.data_ptr<float>(), end - begin), 0) << item.key();
+    checked += 1;
+  }
+  EXPECT_EQ(checked + (h.contains("__metadata__") ? 1 : 0), h.size()) << "nothing but the parameters";
+
+  auto fresh = deep_mlp(14);
+  EngineOptions o = options_for(*fresh, {}, "");
+  o.init_weights = path;
+  {
+    auto engine = attach(*fresh, AdamWConfig{}, o);
+  }
+  auto pa = model->parameters();
+  auto pb = fresh->parameters();
+  for (size_t i = 0; i < pa.size(); ++i) EXPECT_TRUE(torch::equal(pa[i], pb[i])) << i;
+
+  auto wrong = torch::nn::Sequential(torch::nn::Linear(32, 64), torch::nn::ReLU(), torch::nn::Linear(64, 9));
+  o.init_weights = path;
+  EXPECT_NE(error_of([&] { attach(*wrong, AdamWConfig{}, o); }).find("tensor 2.weight is [64, 64]"),
+            std::string::npos);
+  fs::remove(path);
+}
+
+}  // namespace
+}  // namespace strata::parallel
