@@ -96,6 +96,28 @@ SafetensorsHeader parse_safetensors_header(const std::string& text, uint64_t dat
   return h;
 }
 
+namespace {
+
+// The header length from the first 8 bytes, checked against the file's size.
+uint64_t header_length(const uint8_t* first8, uint64_t file_size) {
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | first8[i];
+  STRATA_CHECK(n <= kMaxHeaderBytes && n <= file_size - 8, "header length ", n, " does not fit the ", file_size,
+               "-byte file (truncated, or not a safetensors file)");
+  return n;
+}
+
+}  // namespace
+
+SafetensorsHeader parse_safetensors_file(const void* data, size_t size) {
+  STRATA_CHECK(size >= 8, size, " bytes: too short for a safetensors file");
+  const auto* bytes = static_cast<const uint8_t*>(data);
+  const uint64_t n = header_length(bytes, size);
+  SafetensorsHeader h = parse_safetensors_header(std::string(reinterpret_cast<const char*>(bytes) + 8, n), size - 8 - n);
+  h.data_start = 8 + n;
+  return h;
+}
+
 SafetensorsWriter::SafetensorsWriter(std::string path, const std::vector<Spec>& tensors,
                                      const std::map<std::string, std::string>& metadata)
     : file_(std::move(path)) {
@@ -147,18 +169,15 @@ SafetensorsReader::SafetensorsReader(std::string path) : path_(std::move(path)) 
     STRATA_CHECK(size >= 8, path_, " is ", size, " bytes: too short for a safetensors file");
     uint8_t length[8];
     read_exact(fd_, path_, 0, length, sizeof length);
-    uint64_t n = 0;
-    for (int i = 7; i >= 0; --i) n = (n << 8) | length[i];
-    STRATA_CHECK(n <= kMaxHeaderBytes && n <= size - 8, path_, ": header length ", n, " does not fit the ", size,
-                 "-byte file (truncated, or not a safetensors file)");
-    std::string text(n, '\0');
-    read_exact(fd_, path_, 8, text.data(), n);
     try {
+      const uint64_t n = header_length(length, size);
+      std::string text(n, '\0');
+      read_exact(fd_, path_, 8, text.data(), n);
       header_ = parse_safetensors_header(text, size - 8 - n);
+      header_.data_start = 8 + n;
     } catch (const Error& e) {
       STRATA_FAIL(path_, ": ", e.what());
     }
-    header_.data_start = 8 + n;
   } catch (...) {
     ::close(fd_);
     throw;

@@ -3,7 +3,8 @@
 #
 #   scripts/setup.sh demo   install what is missing, build, run the main example
 #   scripts/setup.sh test   install what is missing, build, run the whole test suite,
-#                           then the non-LibTorch unit tests under ASan + UBSan
+#                           then the non-LibTorch unit tests under ASan + UBSan and
+#                           TSan, then fuzz the checkpoint parsers for 30 s
 #
 # Idempotent: packages already present are not reinstalled, and builds are
 # incremental (ccache across clones). Every step says what it does.
@@ -20,6 +21,7 @@ cd "$root"
 jobs="$(nproc)"
 step() { printf '\n==> %s\n' "$*"; }
 
+# clang, libclang-rt-14-dev: libFuzzer for the checkpoint parsers (scripts/fuzz.sh).
 # libopenblas0-pthread: LibTorch's fp32 matmuls go through libblas.so.3, which
 # is otherwise Debian's unoptimised reference BLAS (about 10x slower here).
 packages=(
@@ -27,6 +29,7 @@ packages=(
   libtorch-dev libopenblas0-pthread libgloo-dev libhwloc-dev liburing-dev libjemalloc-dev
   nlohmann-json3-dev libcli11-dev libfmt-dev libxxhash-dev
   googletest libgtest-dev libgmock-dev libbenchmark-dev fio fortunes-min libxml2-utils
+  clang libclang-rt-14-dev
 )
 missing=()
 for p in "${packages[@]}"; do
@@ -89,3 +92,7 @@ start=$SECONDS
 (cd "$root/build-tsan" && TSAN_OPTIONS=halt_on_error=1 \
   ctest -j "$jobs" -R "Concurrency|NvmeStoreTest|ThreadCount" -E "Leftovers" --output-on-failure)
 echo "thread sanitizer run took $((SECONDS - start)) s"
+
+# The checkpoint and safetensors parsers under libFuzzer (bounded; scripts/fuzz.sh SECONDS for longer).
+step "fuzzing the checkpoint parsers for 30 s"
+"$root/scripts/fuzz.sh" 30

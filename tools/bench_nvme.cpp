@@ -212,6 +212,17 @@ void run_nvme_bench(const NvmeBenchOptions& o) {
 
 }  // namespace
 
+std::pair<double, double> nvme_store_gbps(const std::string& dir, uint64_t bytes) {
+  constexpr size_t kBlock = 8 << 20;
+  constexpr unsigned kDepth = 8;
+  bytes = std::max<uint64_t>(bytes / kBlock, 1) * kBlock;
+  std::unique_ptr<char, AlignedFree> buf(static_cast<char*>(std::aligned_alloc(4096, kBlock * kDepth)));
+  STRATA_CHECK(buf != nullptr, "cannot allocate the benchmark's buffer");
+  std::memset(buf.get(), 0x5a, kBlock * kDepth);
+  fs::create_directories(dir);
+  return store_gbps(dir, kBlock, kDepth, bytes, buf.get());
+}
+
 void add_bench_nvme_command(CLI::App& bench) {
   auto* cmd = bench.add_subcommand("nvme", "NVMe store vs plain io_uring (and fio) per block size and queue depth");
   auto o = std::make_shared<NvmeBenchOptions>();

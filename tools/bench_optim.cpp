@@ -190,6 +190,7 @@ void add_bench_command(CLI::App& app) {
   add_bench_nvme_command(*bench);
 #if defined(STRATA_HAVE_TORCH)
   add_bench_step_command(*bench);
+  add_bench_checkpoint_command(*bench);
 #endif
   auto* optim = bench->add_subcommand("optim", "CPU optimizer kernels vs a bandwidth probe and torch::optim::AdamW");
   auto o = std::make_shared<OptimBenchOptions>();

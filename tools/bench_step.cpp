@@ -56,22 +56,6 @@ struct Row {
   double loss = 0.0;
 };
 
-GptConfig parse_size(const std::string& s, int context) {
-  GptConfig c;
-  c.context = context;
-  const auto x = s.find('x');
-  STRATA_CHECK(x != std::string::npos, "size \"", s, "\" is not DIMxLAYERS, e.g. 256x4");
-  try {
-    c.dim = std::stoi(s.substr(0, x));
-    c.layers = std::stoi(s.substr(x + 1));
-  } catch (const std::exception&) {
-    STRATA_FAIL("size \"", s, "\" is not DIMxLAYERS, e.g. 256x4");
-  }
-  STRATA_CHECK(c.dim > 0 && c.layers > 0 && c.dim % c.heads == 0, "size \"", s, "\": the width must be a positive ",
-               "multiple of ", c.heads, " and the layers positive");
-  return c;
-}
-
 uint64_t total(const std::array<std::array<uint64_t, mem::kNumTiers>, mem::kNumTiers>& bytes) {
   uint64_t n = 0;
   for (const auto& from : bytes) {
@@ -171,7 +155,7 @@ void run_step_bench(const StepBenchOptions& o) {
                "device", "step ms", "ratio", "moved/step", "on demand", "wait ms");
   }
   for (const std::string& size : o.sizes) {
-    const GptConfig mc = parse_size(size, o.context);
+    const GptConfig mc = examples::parse_gpt_size(size, o.context);
     torch::manual_seed(1);
     Batches data;
     for (int i = 0; i < o.warmup + o.steps; ++i) {

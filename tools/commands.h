@@ -2,6 +2,9 @@
 // Each verb of the `strata` tool registers its subcommand here.
 
 #include <CLI/CLI.hpp>
+#include <cstdint>
+#include <string>
+#include <utility>
 
 namespace strata::tools {
 
@@ -12,5 +15,10 @@ void add_trace_command(CLI::App& app);
 void add_bench_nvme_command(CLI::App& bench);
 /// `strata bench step` (needs LibTorch: built only with it).
 void add_bench_step_command(CLI::App& bench);
+/// `strata bench checkpoint` (needs LibTorch: built only with it).
+void add_bench_checkpoint_command(CLI::App& bench);
+/// The NVMe store's raw {write, read} GB/s over `bytes` in `dir` (8 MiB
+/// blocks, 8 in flight): the ceiling other benchmarks print beside theirs.
+std::pair<double, double> nvme_store_gbps(const std::string& dir, uint64_t bytes);
 
 }  // namespace strata::tools

@@ -101,4 +101,20 @@ std::pair<torch::Tensor, torch::Tensor> sample_batch(const torch::Tensor& corpus
   return {torch::stack(xs), torch::stack(ys)};
 }
 
+GptConfig parse_gpt_size(const std::string& s, int context) {
+  GptConfig c;
+  c.context = context;
+  const auto x = s.find('x');
+  STRATA_CHECK(x != std::string::npos, "size \"", s, "\" is not DIMxLAYERS, e.g. 256x4");
+  try {
+    c.dim = std::stoi(s.substr(0, x));
+    c.layers = std::stoi(s.substr(x + 1));
+  } catch (const std::exception&) {
+    STRATA_FAIL("size \"", s, "\" is not DIMxLAYERS, e.g. 256x4");
+  }
+  STRATA_CHECK(c.dim > 0 && c.layers > 0 && c.dim % c.heads == 0, "size \"", s, "\": the width must be a positive ",
+               "multiple of ", c.heads, " and the layers positive");
+  return c;
+}
+
 }  // namespace strata::examples

@@ -49,6 +49,9 @@ int64_t count_parameters(torch::nn::Module& module);
 /// install or pass when there is no usable text.
 torch::Tensor load_corpus(const std::string& path);
 
+/// A model size written DIMxLAYERS (e.g. 256x4), with `context`.
+GptConfig parse_gpt_size(const std::string& size, int context);
+
 /// `batch` random windows of `context` bytes and the bytes that follow them.
 std::pair<torch::Tensor, torch::Tensor> sample_batch(const torch::Tensor& corpus, int batch, int context);
 

@@ -48,6 +48,10 @@ constexpr uint64_t kMaxHeaderBytes = 100ull << 20;
 /// overlap, and each one's bytes must equal its shape times its dtype's size.
 SafetensorsHeader parse_safetensors_header(const std::string& json_text, uint64_t data_bytes);
 
+/// Parses a whole safetensors file held in memory: the length, the header,
+/// and every tensor's place in the data that follows.
+SafetensorsHeader parse_safetensors_file(const void* data, size_t size);
+
 /// Writes a safetensors file tensor by tensor in the order declared, without
 /// holding more than one write buffer: declare every tensor first (the header
 /// goes first), then append each tensor's bytes, in order, in any number of
