@@ -97,14 +97,27 @@ void Engine::save(const std::string& dir) {
   if (mixed) outs.push_back({"param.safetensors", std::make_unique<SafetensorsWriter>(w.path("param.safetensors"), compute)});
   if (mid) outs.push_back({"grad.safetensors", std::make_unique<SafetensorsWriter>(w.path("grad.safetensors"), compute)});
 
-  size_t next = 0;  // position in `order`
-  for (memory::FamilyId f : s.families) {
-    const memory::ChunkFamily fam = s.mgr->family(f);
-    const ChunkId master = fam.master ? *fam.master : fam.param;
-    std::vector<ChunkId> chunks = {master, fam.optim_states[0], fam.optim_states[1]};
+  auto members = [&](memory::FamilyId f) {
+    const memory::ChunkFamily& fam = s.mgr->family(f);
+    std::vector<ChunkId> chunks = {fam.master ? *fam.master : fam.param, fam.optim_states[0], fam.optim_states[1]};
     if (mixed) chunks.push_back(fam.param);
     if (mid) chunks.push_back(fam.grad);
-    s.with_family_on_host(f, chunks, [&] {
+    return chunks;
+  };
+  size_t next = 0;  // position in `order`
+  std::vector<offload::CopyTicket> ahead;
+  struct Settle {  // read-aheads finish before the save returns or throws
+    std::vector<offload::CopyTicket>& t;
+    ~Settle() { Engine::Impl::settle(t); }
+  } settle_ahead{ahead};
+  for (size_t i = 0; i < s.families.size(); ++i) {
+    const memory::FamilyId f = s.families[i];
+    const memory::ChunkFamily fam = s.mgr->family(f);
+    const ChunkId master = fam.master ? *fam.master : fam.param;
+    s.with_family_on_host(f, members(f), [&] {
+      // While this family is written out, the next one comes to host (from
+      // the device or NVMe) if it fits in the free host bytes.
+      if (i + 1 < s.families.size()) s.read_ahead(members(s.families[i + 1]), ahead, /*only_into_free=*/true);
       for (; next < order.size() && s.params[order[next]].family == f; ++next) {
         const Impl::Param& p = s.params[order[next]];
         const auto f32 = static_cast<size_t>(p.offset) * sizeof(float);
@@ -120,6 +133,7 @@ void Engine::save(const std::string& dir) {
       }
     });
   }
+  Impl::settle(ahead);
   for (Out& o : outs) {
     o.w->finish();
     w.add(o.name, o.w->bytes(), o.w->checksum());
@@ -268,6 +282,10 @@ void Engine::load(const std::string& dir) {
       std::vector<ChunkId> chunks = {mc, fam.optim_states[0], fam.optim_states[1]};
       if (fam.master) chunks.push_back(fam.param);
       if (mid) chunks.push_back(fam.grad);
+      // Every byte of these chunks is about to be overwritten: drop their
+      // payloads, so pinning materialises them on host instead of reading
+      // them back from the device or NVMe.
+      for (ChunkId c : chunks) s.mgr->release(c);
       s.with_family_on_host(f, chunks, [&] {
         for (; next < order.size() && s.params[order[next]].family == f; ++next) {
           Impl::Param& p = s.params[order[next]];
