@@ -1,6 +1,7 @@
 #include "strata/memory/eviction_policy.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 
 #include "strata/core/error.h"
@@ -143,6 +144,19 @@ std::unordered_set<ChunkId> static_held_chunks(const std::vector<std::pair<Chunk
     held.insert(c);
   }
   return held;
+}
+
+size_t nvme_optim_families(const std::vector<uint64_t>& optim_bytes, double fraction, uint64_t host_budget) {
+  const size_t n = optim_bytes.size();
+  if (fraction >= 0) return std::min(n, static_cast<size_t>(std::llround(fraction * static_cast<double>(n))));
+  uint64_t host = 0;
+  size_t on_host = 0;
+  for (uint64_t b : optim_bytes) {
+    host += b;
+    if (host > host_budget / 2) break;
+    on_host += 1;
+  }
+  return n - on_host;
 }
 
 }  // namespace strata::memory

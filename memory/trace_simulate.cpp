@@ -241,20 +241,10 @@ SimulateResult simulate_trace(const Trace& t, const SimulateOptions& o) {
   // Host and NVMe, per step (the steady state).
   if (t.budgets[2] > 0) {
     const size_t n = families.size();
-    size_t on_nvme = 0;
-    if (t.nvme_optim_fraction >= 0) {
-      on_nvme = static_cast<size_t>(std::llround(t.nvme_optim_fraction * static_cast<double>(n)));
-    } else {
-      uint64_t host = 0;
-      size_t on_host = 0;
-      for (const auto& [_, f] : families) {
-        host += f.optim;
-        if (host > r.host_budget / 2) break;
-        on_host += 1;
-      }
-      on_nvme = n - on_host;
-    }
-    r.nvme_optim_families = std::min(on_nvme, n);
+    std::vector<uint64_t> optim_bytes;
+    for (const auto& [_, f] : families) optim_bytes.push_back(f.optim);
+    const size_t on_nvme = nvme_optim_families(optim_bytes, t.nvme_optim_fraction, r.host_budget);
+    r.nvme_optim_families = on_nvme;
     uint64_t resident_host = 0, homed = 0, largest = 0, second = 0;
     size_t index = 0;
     for (const auto& [_, f] : families) {

@@ -774,22 +774,15 @@ struct Engine::Impl : OpObserver {
   void place_optimizer_state() {
     optim_on_nvme.assign(families.size(), false);
     if (options.budgets.nvme == 0) return;
-    const size_t n = families.size();
-    size_t on_nvme = 0;
-    if (options.nvme_optim_fraction >= 0) {
-      on_nvme = static_cast<size_t>(std::llround(options.nvme_optim_fraction * static_cast<double>(n)));
-    } else {
-      // Auto: keep state on host while it fits in half the host budget.
-      uint64_t host = 0;
-      size_t on_host = 0;
-      for (memory::FamilyId f : families) {
-        for (ChunkId c : optim_members(f)) host += mgr->chunk(c).alloc_bytes();
-        if (host > options.budgets.host / 2) break;
-        on_host += 1;
-      }
-      on_nvme = n - on_host;
+    std::vector<uint64_t> bytes;
+    for (memory::FamilyId f : families) {
+      uint64_t b = 0;
+      for (ChunkId c : optim_members(f)) b += mgr->chunk(c).alloc_bytes();
+      bytes.push_back(b);
     }
-    for (size_t i = n - std::min(on_nvme, n); i < n; ++i) optim_on_nvme[i] = true;
+    const size_t n = families.size();
+    const size_t on_nvme = memory::nvme_optim_families(bytes, options.nvme_optim_fraction, options.budgets.host);
+    for (size_t i = n - on_nvme; i < n; ++i) optim_on_nvme[i] = true;
   }
 
   // Trainable parameters in the order their bytes lie in chunk families.

@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "error_of.h"
 #include "strata/core/error.h"
 
 namespace strata::checkpoint {
@@ -16,15 +17,6 @@ namespace fs = std::filesystem;
 
 std::string temp_dir(const std::string& name) {
   return (fs::temp_directory_path() / ("strata-ckdir-" + name + "-" + std::to_string(::getpid()))).string();
-}
-
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "no error";
 }
 
 void save(const std::string& dir, const std::string& payload) {

@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "error_of.h"
 #include "strata/core/error.h"
 
 namespace strata::checkpoint {
@@ -27,15 +28,6 @@ std::string slurp(const std::string& path) {
   std::ostringstream s;
   s << in.rdbuf();
   return s.str();
-}
-
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "no error";
 }
 
 TEST(Safetensors, WrittenFileReadsBackThroughAnIndependentReader) {

@@ -19,6 +19,7 @@
 #include <thread>
 
 #include "strata/checkpoint/checkpoint_dir.h"
+#include "error_of.h"
 #include "strata/core/error.h"
 #include "strata/parallel/engine.h"
 #include "test_util.h"
@@ -26,15 +27,6 @@
 namespace strata::parallel {
 namespace {
 namespace fs = std::filesystem;
-
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "no error";
-}
 
 struct RunConfig {
   DType precision = DType::kFloat32;

@@ -125,4 +125,11 @@ class StaticPolicy final : public EvictionPolicy {
 std::unordered_set<ChunkId> static_held_chunks(const std::vector<std::pair<ChunkId, uint64_t>>& param_chunks,
                                                double fraction, uint64_t device_budget);
 
+/// How many chunk families keep their optimizer state on NVMe between steps
+/// (the last ones, in step order): `fraction` of them when it is >= 0, else
+/// (auto) those whose state does not fit, with the families before them, in
+/// half of `host_budget`. `optim_bytes` is each family's state in step order.
+/// The engine places state by it and `strata trace simulate` predicts with it.
+size_t nvme_optim_families(const std::vector<uint64_t>& optim_bytes, double fraction, uint64_t host_budget);
+
 }  // namespace strata::memory
