@@ -37,11 +37,15 @@ find_package(fmt REQUIRED)
 find_package(nlohmann_json 3.10 REQUIRED)
 find_package(CLI11 REQUIRED)
 
-# Gloo: only its version header is used until the distributed issue links it.
+# Gloo: the CPU collectives of the communicator (parallel/gloo_communicator.cpp).
 find_path(STRATA_GLOO_INCLUDE_DIR gloo/config.h)
+find_library(STRATA_GLOO_LIBRARY gloo)
 set(STRATA_HAVE_GLOO OFF)
-if(STRATA_GLOO_INCLUDE_DIR)
+if(STRATA_GLOO_INCLUDE_DIR AND STRATA_GLOO_LIBRARY)
   set(STRATA_HAVE_GLOO ON)
+  add_library(strata::gloo INTERFACE IMPORTED GLOBAL)
+  target_include_directories(strata::gloo SYSTEM INTERFACE ${STRATA_GLOO_INCLUDE_DIR})
+  target_link_libraries(strata::gloo INTERFACE ${STRATA_GLOO_LIBRARY})
 endif()
 
 # CUDA and NCCL: used when found. A CUDA build adds code; it never changes the CPU path.

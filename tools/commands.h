@@ -11,6 +11,8 @@ namespace strata::tools {
 void add_info_command(CLI::App& app);
 void add_bench_command(CLI::App& app);
 void add_trace_command(CLI::App& app);
+/// `strata run -n N -- PROGRAM`: local ranks with torchrun's variables.
+void add_run_command(CLI::App& app);
 /// `strata bench nvme`, added to the `bench` subcommand.
 void add_bench_nvme_command(CLI::App& bench);
 /// `strata bench step` (needs LibTorch: built only with it).

@@ -12,6 +12,7 @@ int main(int argc, char** argv) {
   strata::tools::add_info_command(app);
   strata::tools::add_bench_command(app);
   strata::tools::add_trace_command(app);
+  strata::tools::add_run_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

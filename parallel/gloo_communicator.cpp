@@ -1,0 +1,361 @@
+// The Gloo communicator (communicator.h): Gloo's collectives on host buffers
+// over TCP, rendezvous through LibTorch's c10d::TCPStore.
+#include <gloo/allgather.h>
+#include <gloo/allreduce.h>
+#include <gloo/alltoall.h>
+#include <gloo/barrier.h>
+#include <gloo/broadcast.h>
+#include <gloo/math.h>
+#include <gloo/rendezvous/context.h>
+#include <gloo/rendezvous/prefix_store.h>
+#include <gloo/rendezvous/store.h>
+#include <gloo/transport/tcp/device.h>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <fmt/format.h>
+#include <functional>
+#include <future>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "strata/core/error.h"
+#include "strata/parallel/communicator.h"
+
+namespace strata::parallel {
+namespace {
+
+int env_int(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return fallback;
+  char* end = nullptr;
+  const long n = std::strtol(v, &end, 10);
+  STRATA_CHECK(end != v && *end == '\0' && n >= 0 && n < (1 << 30), "environment variable ", name, "=\"", v,
+               "\" is not a non-negative integer");
+  return static_cast<int>(n);
+}
+
+// Gloo's store interface over c10d's TCPStore (the same store torchrun's
+// processes meet at), so strata does not run a store of its own.
+class C10dStore final : public gloo::rendezvous::Store {
+ public:
+  explicit C10dStore(c10::intrusive_ptr<c10d::Store> store) : store_(std::move(store)) {}
+  void set(const std::string& key, const std::vector<char>& data) override {
+    store_->set(key, std::vector<uint8_t>(data.begin(), data.end()));
+  }
+  std::vector<char> get(const std::string& key) override {
+    const std::vector<uint8_t> v = store_->get(key);
+    return std::vector<char>(v.begin(), v.end());
+  }
+  void wait(const std::vector<std::string>& keys) override { store_->wait(keys); }
+  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override {
+    store_->wait(keys, timeout);
+  }
+
+ private:
+  c10::intrusive_ptr<c10d::Store> store_;
+};
+
+class GlooWork final : public Work {
+ public:
+  explicit GlooWork(std::shared_future<void> f) : f_(std::move(f)) {}
+  void wait() override { f_.get(); }
+  bool done() const override { return f_.wait_for(std::chrono::seconds(0)) == std::future_status::ready; }
+
+ private:
+  std::shared_future<void> f_;
+};
+
+using ReduceFn = void (*)(void*, const void*, const void*, size_t);
+
+template <typename T>
+ReduceFn reduce_fn(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum: return &gloo::sum<T>;
+    case ReduceOp::kMax: return &gloo::max<T>;
+    case ReduceOp::kMin: return &gloo::min<T>;
+  }
+  STRATA_FAIL("unknown reduce op");
+}
+
+const char* op_name(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum: return "sum";
+    case ReduceOp::kMax: return "max";
+    case ReduceOp::kMin: return "min";
+  }
+  return "?";
+}
+
+// See Note [Collectives are issued in order].
+class GlooCommunicator final : public Communicator {
+ public:
+  GlooCommunicator(const Rendezvous& r, CommunicatorOptions o) : rank_(r.rank), size_(r.world_size), options_(o) {
+    STRATA_CHECK(r.world_size >= 1 && r.rank >= 0 && r.rank < r.world_size, "rank ", r.rank, " of world size ",
+                 r.world_size, " is not a valid rank (RANK, WORLD_SIZE)");
+    STRATA_CHECK(r.master_port > 0 && r.master_port < 65536, "MASTER_PORT ", r.master_port, " is not a TCP port");
+    try {
+      c10d::TCPStoreOptions so;
+      so.port = static_cast<uint16_t>(r.master_port);
+      so.isServer = r.rank == 0;
+      so.numWorkers = static_cast<size_t>(r.world_size);
+      so.waitWorkers = false;
+      so.timeout = o.timeout;
+      auto tcp = c10::make_intrusive<c10d::TCPStore>(r.master_addr, so);
+      C10dStore store(tcp);
+      gloo::rendezvous::PrefixStore prefixed("strata-gloo", store);
+      gloo::transport::tcp::attr attr;
+      attr.hostname = o.bind_host;
+      auto device = gloo::transport::tcp::CreateDevice(attr);
+      auto context = std::make_shared<gloo::rendezvous::Context>(r.rank, r.world_size);
+      context->setTimeout(o.timeout);
+      context->connectFullMesh(prefixed, device);
+      context_ = context;
+      store_ = tcp;
+    } catch (const Error&) {
+      throw;
+    } catch (const std::exception& e) {
+      STRATA_FAIL("rank ", r.rank, " of ", r.world_size, " could not meet the others at ", r.master_addr, ":",
+                  r.master_port, " within ", o.timeout.count(), " ms: ", e.what(),
+                  " (are all ranks started, with the same MASTER_ADDR and MASTER_PORT?)");
+    }
+    worker_ = std::thread([this] { run(); });
+  }
+
+  ~GlooCommunicator() override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    worker_.join();
+  }
+
+  int rank() const override { return rank_; }
+  int world_size() const override { return size_; }
+  std::string backend() const override { return "gloo"; }
+
+  WorkHandle all_reduce(void* buf, size_t count, DType dtype, ReduceOp op) override {
+    const std::string what = fmt::format("all_reduce ({}) of {} {}", op_name(op), count, dtype_name(dtype));
+    check_reducible(dtype, what);
+    return submit(what, count, [=](uint32_t tag) {
+      gloo::AllreduceOptions o(context_);
+      o.setTag(tag);
+      o.setTimeout(options_.timeout);
+      if (dtype == DType::kFloat32) {
+        o.setOutput(static_cast<float*>(buf), count);
+        o.setReduceFunction(reduce_fn<float>(op));
+      } else {
+        o.setOutput(static_cast<gloo::float16*>(buf), count);
+        o.setReduceFunction(reduce_fn<gloo::float16>(op));
+      }
+      gloo::allreduce(o);
+    });
+  }
+
+  // Gloo's all_to_all moves block r of every rank to rank r, which then
+  // reduces the world_size blocks it received: each rank sends and receives
+  // (world_size - 1) / world_size of the buffer, as a ring reduce-scatter
+  // does. (Gloo's ReduceScatterHalvingDoubling leaves the blocks of some ranks
+  // in bit-reversed places for world sizes above 2; the tests caught it.)
+  WorkHandle reduce_scatter(const void* in, void* out, size_t count, DType dtype, ReduceOp op) override {
+    const std::string what = fmt::format("reduce_scatter ({}) of {} x {} {}", op_name(op), size_, count, dtype_name(dtype));
+    check_reducible(dtype, what);
+    const size_t esize = dtype_size(dtype);
+    return submit(what, count, [=](uint32_t tag) {
+      std::vector<uint8_t> blocks(count * esize * size_);
+      gloo::AlltoallOptions o(context_);
+      o.setTag(tag);
+      o.setTimeout(options_.timeout);
+      o.setInput(const_cast<uint8_t*>(static_cast<const uint8_t*>(in)), blocks.size());
+      o.setOutput(blocks.data(), blocks.size());
+      gloo::alltoall(o);
+      const ReduceFn fn = dtype == DType::kFloat32 ? reduce_fn<float>(op) : reduce_fn<gloo::float16>(op);
+      std::memcpy(out, blocks.data(), count * esize);
+      for (int r = 1; r < size_; ++r) fn(out, out, blocks.data() + r * count * esize, count);
+    });
+  }
+
+  WorkHandle all_gather(const void* in, void* out, size_t count, DType dtype) override {
+    const size_t bytes = count * dtype_size(dtype);
+    return submit(fmt::format("all_gather of {} x {} {}", size_, count, dtype_name(dtype)), count, [=](uint32_t tag) {
+      gloo::AllgatherOptions o(context_);
+      o.setTag(tag);
+      o.setTimeout(options_.timeout);
+      o.setInput(const_cast<uint8_t*>(static_cast<const uint8_t*>(in)), bytes);
+      o.setOutput(static_cast<uint8_t*>(out), bytes * size_);
+      gloo::allgather(o);
+    });
+  }
+
+  WorkHandle broadcast(void* buf, size_t count, DType dtype, int root) override {
+    STRATA_CHECK(root >= 0 && root < size_, "broadcast root ", root, " is not a rank of ", size_);
+    const size_t bytes = count * dtype_size(dtype);
+    return submit(fmt::format("broadcast from rank {} of {} {}", root, count, dtype_name(dtype)), count,
+                  [=](uint32_t tag) {
+                    gloo::BroadcastOptions o(context_);
+                    o.setTag(tag);
+                    o.setTimeout(options_.timeout);
+                    o.setRoot(root);
+                    o.setOutput(static_cast<uint8_t*>(buf), bytes);
+                    gloo::broadcast(o);
+                  });
+  }
+
+  WorkHandle all_to_all(const void* in, void* out, size_t count, DType dtype) override {
+    const size_t bytes = count * dtype_size(dtype);
+    return submit(fmt::format("all_to_all of {} x {} {}", size_, count, dtype_name(dtype)), count, [=](uint32_t tag) {
+      gloo::AlltoallOptions o(context_);
+      o.setTag(tag);
+      o.setTimeout(options_.timeout);
+      o.setInput(const_cast<uint8_t*>(static_cast<const uint8_t*>(in)), bytes * size_);
+      o.setOutput(static_cast<uint8_t*>(out), bytes * size_);
+      gloo::alltoall(o);
+    });
+  }
+
+  WorkHandle send(const void* buf, size_t bytes, int peer, uint32_t tag) override {
+    check_peer(peer);
+    return submit(fmt::format("send of {} bytes to rank {} (tag {})", bytes, peer, tag), bytes, [=](uint32_t) {
+      auto b = context_->createUnboundBuffer(const_cast<void*>(buf), bytes);
+      b->send(peer, tag);
+      STRATA_CHECK(b->waitSend(options_.timeout), "no progress");
+    });
+  }
+
+  WorkHandle recv(void* buf, size_t bytes, int peer, uint32_t tag) override {
+    check_peer(peer);
+    return submit(fmt::format("recv of {} bytes from rank {} (tag {})", bytes, peer, tag), bytes, [=](uint32_t) {
+      auto b = context_->createUnboundBuffer(buf, bytes);
+      b->recv(peer, tag);
+      STRATA_CHECK(b->waitRecv(options_.timeout), "no progress");
+    });
+  }
+
+  WorkHandle barrier() override {
+    return submit("barrier", 1, [=](uint32_t tag) {
+      gloo::BarrierOptions o(context_);
+      o.setTag(tag);
+      o.setTimeout(options_.timeout);
+      gloo::barrier(o);
+    });
+  }
+
+ private:
+  struct Op {
+    std::string what;
+    std::function<void(uint32_t)> fn;
+    std::promise<void> done;
+  };
+
+  void check_reducible(DType dtype, const std::string& what) const {
+    STRATA_CHECK(dtype == DType::kFloat32 || dtype == DType::kFloat16, what,
+                 ": Gloo reduces fp32 and fp16; cast bf16 to fp32 first");
+  }
+  void check_peer(int peer) const {
+    STRATA_CHECK(peer >= 0 && peer < size_ && peer != rank_, "peer ", peer, " is not another rank of ", size_);
+  }
+
+  WorkHandle submit(std::string what, size_t elements, std::function<void(uint32_t)> fn) {
+    auto op = std::make_unique<Op>();
+    op->what = std::move(what);
+    std::shared_future<void> f = op->done.get_future().share();
+    if (elements == 0 || size_ == 1) {
+      // Nothing to exchange: every rank skips the same operation, so the order holds.
+      if (size_ == 1 && elements > 0) {
+        try {
+          single_rank(op->what, fn);
+          op->done.set_value();
+        } catch (...) {
+          op->done.set_exception(std::current_exception());
+        }
+      } else {
+        op->done.set_value();
+      }
+      return std::make_shared<GlooWork>(f);
+    }
+    op->fn = std::move(fn);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      queue_.push_back(std::move(op));
+    }
+    cv_.notify_one();
+    return std::make_shared<GlooWork>(f);
+  }
+
+  // One rank: Gloo's algorithms handle a context of size 1, so run them.
+  void single_rank(const std::string&, const std::function<void(uint32_t)>& fn) { fn(next_tag_++); }
+
+  void run() {
+    for (;;) {
+      std::unique_ptr<Op> op;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+        if (queue_.empty()) return;
+        op = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      if (!broken_.empty()) {
+        op->done.set_exception(std::make_exception_ptr(Error(fmt::format("{}: {}", op->what, broken_), __FILE__, __LINE__)));
+        continue;
+      }
+      try {
+        op->fn(next_tag_++);
+        op->done.set_value();
+      } catch (const std::exception& e) {
+        broken_ = fmt::format("the communicator broke at an earlier {} on rank {} of {}", op->what, rank_, size_);
+        op->done.set_exception(std::make_exception_ptr(
+            Error(fmt::format("{} on rank {} of {} failed or timed out (timeout {} ms): {}; a peer has died, or is "
+                              "stuck before issuing the same collective",
+                              op->what, rank_, size_, options_.timeout.count(), e.what()),
+                  __FILE__, __LINE__)));
+      }
+    }
+  }
+
+  int rank_, size_;
+  CommunicatorOptions options_;
+  std::shared_ptr<gloo::Context> context_;
+  c10::intrusive_ptr<c10d::Store> store_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::unique_ptr<Op>> queue_;
+  bool stop_ = false;
+  std::string broken_;  // set by the worker only
+  uint32_t next_tag_ = 1;
+  std::thread worker_;
+};
+
+}  // namespace
+
+Rendezvous Rendezvous::from_env() {
+  Rendezvous r;
+  if (std::getenv("RANK") != nullptr) {
+    r.rank = env_int("RANK", 0);
+    r.world_size = env_int("WORLD_SIZE", 1);
+    r.local_rank = env_int("LOCAL_RANK", r.rank);
+    r.local_world_size = env_int("LOCAL_WORLD_SIZE", r.world_size);
+  } else if (std::getenv("SLURM_PROCID") != nullptr) {
+    r.rank = env_int("SLURM_PROCID", 0);
+    r.world_size = env_int("SLURM_NTASKS", 1);
+    r.local_rank = env_int("SLURM_LOCALID", 0);
+    r.local_world_size = env_int("SLURM_NTASKS_PER_NODE", r.world_size);
+  }
+  const char* addr = std::getenv("MASTER_ADDR");
+  if (addr != nullptr && *addr != '\0') r.master_addr = addr;
+  r.master_port = env_int("MASTER_PORT", 29500);
+  STRATA_CHECK(r.world_size >= 1 && r.rank < r.world_size, "RANK ", r.rank, " is not below WORLD_SIZE ", r.world_size);
+  return r;
+}
+
+std::unique_ptr<Communicator> make_gloo_communicator(const Rendezvous& r, CommunicatorOptions options) {
+  if (const char* host = std::getenv("STRATA_COMM_HOST"); host != nullptr && *host != '\0') options.bind_host = host;
+  return std::make_unique<GlooCommunicator>(r, options);
+}
+
+}  // namespace strata::parallel

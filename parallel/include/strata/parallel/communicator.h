@@ -1,0 +1,95 @@
+#pragma once
+// Communicator: collectives between ranks, on contiguous buffers (chunks) and
+// on tensors, with asynchronous handles and a timeout on every operation.
+//
+// Backends: Gloo (host memory, TCP; make_gloo_communicator) now; NCCL on GPU
+// streams is the next backend (it needs a GPU to test). Rendezvous reads the
+// variables torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+// MASTER_ADDR, MASTER_PORT), or Slurm's, and meets through LibTorch's c10d
+// TCPStore; `strata run` (tools/run.cpp) starts local ranks with them.
+//
+// Note [Collectives are issued in order]
+// Every rank must issue the same collectives in the same order. A
+// communicator runs its operations one at a time, in the order they were
+// issued, on a thread of its own: the caller gets a Work handle at once and
+// overlaps the collective with whatever it does next (backward, the next
+// chunk). A collective that does not complete within the timeout (a peer died
+// or is stuck before the same collective) fails with an Error naming the
+// operation, its size, this rank and the world; the communicator is then
+// broken, and every later operation fails at once with the same message.
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "strata/core/dtype.h"
+
+namespace strata::parallel {
+
+struct Rendezvous {
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  int local_world_size = 1;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 29500;
+  /// torchrun's variables, or Slurm's (SLURM_PROCID, SLURM_NTASKS,
+  /// SLURM_LOCALID, SLURM_NTASKS_PER_NODE) when RANK is not set; a single
+  /// process when neither is. Errors name the variable that does not parse.
+  static Rendezvous from_env();
+};
+
+enum class ReduceOp { kSum, kMax, kMin };
+
+class Work {
+ public:
+  virtual ~Work() = default;
+  /// Blocks until the operation completes; rethrows its Error.
+  virtual void wait() = 0;
+  /// Whether it has completed (successfully or not).
+  virtual bool done() const = 0;
+};
+using WorkHandle = std::shared_ptr<Work>;
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  virtual int rank() const = 0;
+  virtual int world_size() const = 0;
+  virtual std::string backend() const = 0;
+
+  /// In place: `count` elements of `buf` become the reduction over ranks.
+  /// Reductions take fp32 and fp16.
+  virtual WorkHandle all_reduce(void* buf, size_t count, DType dtype, ReduceOp op = ReduceOp::kSum) = 0;
+  /// `in` holds world_size blocks of `count` elements; block r of the
+  /// reduction over ranks lands in rank r's `out` (`count` elements).
+  virtual WorkHandle reduce_scatter(const void* in, void* out, size_t count, DType dtype,
+                                    ReduceOp op = ReduceOp::kSum) = 0;
+  /// Every rank's `count` elements of `in`, in rank order, into `out`
+  /// (world_size * count elements).
+  virtual WorkHandle all_gather(const void* in, void* out, size_t count, DType dtype) = 0;
+  /// Root's `count` elements of `buf` to every rank's `buf`.
+  virtual WorkHandle broadcast(void* buf, size_t count, DType dtype, int root) = 0;
+  /// Block r (of `count` elements) of `in` goes to rank r; block r of `out`
+  /// comes from rank r.
+  virtual WorkHandle all_to_all(const void* in, void* out, size_t count, DType dtype) = 0;
+  /// Point to point: `bytes` to or from `peer`, matched by `tag`.
+  virtual WorkHandle send(const void* buf, size_t bytes, int peer, uint32_t tag) = 0;
+  virtual WorkHandle recv(void* buf, size_t bytes, int peer, uint32_t tag) = 0;
+  virtual WorkHandle barrier() = 0;
+};
+
+struct CommunicatorOptions {
+  std::chrono::milliseconds timeout{std::chrono::seconds(300)};
+  /// The interface Gloo binds: loopback unless set (STRATA_COMM_HOST), e.g.
+  /// the node's address for a multi-node job.
+  std::string bind_host = "127.0.0.1";
+};
+
+/// A Gloo communicator for `r`: meets the other ranks through a c10d TCPStore
+/// at master_addr:master_port (rank 0 serves it) and connects a full mesh.
+std::unique_ptr<Communicator> make_gloo_communicator(const Rendezvous& r, CommunicatorOptions options = {});
+
+}  // namespace strata::parallel

@@ -1,0 +1,155 @@
+// Run by the tests through `strata run -n N`: every collective of the Gloo
+// communicator checked against a reference computed locally (each rank can
+// compute every rank's data), for sizes including 0 and sizes the world size
+// does not divide. Failure modes for the launcher and timeout tests:
+//   comm_check                      check everything; prints "rank R: N checks passed"
+//   comm_check --die-at-rank R      rank R exits with status 3 after the first collective
+//   comm_check --skip-at-rank R     rank R never issues the all_reduce (and sleeps); the
+//                                   others' all_reduce times out (--timeout-ms, default 2000)
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "strata/core/error.h"
+#include "strata/parallel/communicator.h"
+
+using strata::DType;
+using strata::parallel::ReduceOp;
+
+namespace {
+
+// Rank r's element i: small multiples of 1/4, so sums are exact in fp32 and fp16.
+float value(int r, size_t i) { return static_cast<float>((r * 131 + static_cast<int>(i % 100000) * 7) % 97) * 0.25f - 3.0f; }
+
+uint16_t to_half(float f) {  // exact for the small values above
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint32_t sign = (x >> 16) & 0x8000;
+  const int exp = static_cast<int>((x >> 23) & 0xff) - 127 + 15;
+  const uint32_t mant = (x >> 13) & 0x3ff;
+  if ((x & 0x7fffffff) == 0) return static_cast<uint16_t>(sign);
+  return static_cast<uint16_t>(sign | (static_cast<uint32_t>(exp) << 10) | mant);
+}
+float from_half(uint16_t h) {
+  const uint32_t sign = (h & 0x8000u) << 16;
+  const int exp = (h >> 10) & 0x1f;
+  const uint32_t mant = h & 0x3ff;
+  if (exp == 0 && mant == 0) {
+    float f;
+    std::memcpy(&f, &sign, 4);
+    return f;
+  }
+  const uint32_t x = sign | (static_cast<uint32_t>(exp - 15 + 127) << 23) | (mant << 13);
+  float f;
+  std::memcpy(&f, &x, 4);
+  return f;
+}
+
+int checks = 0;
+void expect(bool ok, const std::string& what) {
+  if (!ok) STRATA_FAIL("mismatch: ", what);
+  checks += 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int die_at = -1, skip_at = -1, timeout_ms = 20000;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string a = argv[i];
+    if (a == "--die-at-rank") die_at = std::atoi(argv[i + 1]);
+    if (a == "--skip-at-rank") skip_at = std::atoi(argv[i + 1]);
+    if (a == "--timeout-ms") timeout_ms = std::atoi(argv[i + 1]);
+  }
+  if (skip_at >= 0 && timeout_ms == 20000) timeout_ms = 2000;
+  try {
+    const auto rv = strata::parallel::Rendezvous::from_env();
+    strata::parallel::CommunicatorOptions co;
+    co.timeout = std::chrono::milliseconds(timeout_ms);
+    auto comm = strata::parallel::make_gloo_communicator(rv, co);
+    const int rank = comm->rank(), world = comm->world_size();
+    comm->barrier()->wait();
+    if (rank == die_at) {
+      std::printf("rank %d: exiting with status 3 on purpose\n", rank);
+      std::fflush(stdout);
+      std::_Exit(3);
+    }
+    if (skip_at >= 0) {
+      if (rank == skip_at) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(3 * timeout_ms));
+        return 0;
+      }
+      std::vector<float> v(16, 1.0f);
+      comm->all_reduce(v.data(), v.size(), DType::kFloat32)->wait();  // never completes: a peer is missing
+      std::printf("rank %d: the all_reduce completed without its peer\n", rank);
+      return 0;
+    }
+    for (const size_t n : {size_t{0}, size_t{1}, size_t{7}, size_t{1000}, size_t{4099}}) {
+      const std::string at = " at size " + std::to_string(n);
+      // all_reduce: sum, max, min in fp32; sum in fp16; issued together, waited after.
+      std::vector<float> s(n), mx(n), mn(n);
+      std::vector<uint16_t> h(n);
+      for (size_t i = 0; i < n; ++i) s[i] = mx[i] = mn[i] = value(rank, i), h[i] = to_half(value(rank, i));
+      auto w1 = comm->all_reduce(s.data(), n, DType::kFloat32, ReduceOp::kSum);
+      auto w2 = comm->all_reduce(mx.data(), n, DType::kFloat32, ReduceOp::kMax);
+      auto w3 = comm->all_reduce(mn.data(), n, DType::kFloat32, ReduceOp::kMin);
+      auto w4 = comm->all_reduce(h.data(), n, DType::kFloat16, ReduceOp::kSum);
+      w1->wait(), w2->wait(), w3->wait(), w4->wait();
+      for (size_t i = 0; i < n; ++i) {
+        float sum = 0, hi = -1e30f, lo = 1e30f;
+        for (int r = 0; r < world; ++r) sum += value(r, i), hi = std::max(hi, value(r, i)), lo = std::min(lo, value(r, i));
+        expect(s[i] == sum && mx[i] == hi && mn[i] == lo, "all_reduce fp32" + at);
+        expect(from_half(h[i]) == sum, "all_reduce fp16" + at);
+      }
+      // reduce_scatter: block b of the sum lands on rank b.
+      std::vector<float> in(n * world), out(n, -1.0f);
+      for (size_t i = 0; i < in.size(); ++i) in[i] = value(rank, i);
+      comm->reduce_scatter(in.data(), out.data(), n, DType::kFloat32)->wait();
+      for (size_t i = 0; i < n; ++i) {
+        float sum = 0;
+        for (int r = 0; r < world; ++r) sum += value(r, rank * n + i);
+        expect(out[i] == sum, "reduce_scatter" + at);
+      }
+      // all_gather, broadcast, all_to_all.
+      std::vector<float> mine(n), all(n * world, -1.0f);
+      for (size_t i = 0; i < n; ++i) mine[i] = value(rank, i);
+      comm->all_gather(mine.data(), all.data(), n, DType::kFloat32)->wait();
+      for (int b = 0; b < world; ++b) {
+        for (size_t i = 0; i < n; ++i) expect(all[b * n + i] == value(b, i), "all_gather" + at);
+      }
+      const int root = world - 1;
+      std::vector<float> bc = mine;
+      comm->broadcast(bc.data(), n, DType::kFloat32, root)->wait();
+      for (size_t i = 0; i < n; ++i) expect(bc[i] == value(root, i), "broadcast" + at);
+      std::vector<float> a2a(n * world, -1.0f);
+      comm->all_to_all(in.data(), a2a.data(), n, DType::kFloat32)->wait();
+      for (int b = 0; b < world; ++b) {
+        for (size_t i = 0; i < n; ++i) expect(a2a[b * n + i] == value(b, rank * n + i), "all_to_all" + at);
+      }
+      // send/recv with the partner rank (rank ^ 1); the lower one sends first.
+      const int partner = rank ^ 1;
+      if (partner < world && n > 0) {
+        std::vector<float> got(n, -1.0f);
+        if (rank < partner) {
+          comm->send(mine.data(), n * 4, partner, 7)->wait();
+          comm->recv(got.data(), n * 4, partner, 8)->wait();
+        } else {
+          comm->recv(got.data(), n * 4, partner, 7)->wait();
+          comm->send(mine.data(), n * 4, partner, 8)->wait();
+        }
+        for (size_t i = 0; i < n; ++i) expect(got[i] == value(partner, i), "send/recv" + at);
+      }
+      comm->barrier()->wait();
+    }
+    std::printf("rank %d: %d checks passed\n", rank, checks);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "comm_check: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,206 @@
+// `strata run`: starts the ranks of a job on this node, as torchrun does.
+//
+//   strata run -n N [--nnodes M --node-rank K --master-addr A --master-port P] [--grace S] -- PROGRAM ARGS...
+//
+// Each rank gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR
+// and MASTER_PORT (and the GROUP_RANK/ROLE_RANK torchrun sets too), its
+// stdout and stderr are read line by line and printed prefixed with
+// "[rank R] ". When a rank exits with a non-zero status or a signal, the others
+// are sent SIGTERM, then SIGKILL after --grace seconds, and strata run exits
+// with that rank's status (128 + signal), naming the rank. A single-node job
+// picks a free port unless --master-port says one.
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <fmt/format.h>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "commands.h"
+#include "strata/core/error.h"
+
+namespace strata::tools {
+namespace {
+
+struct RunOptions {
+  int nproc = 1;
+  int nnodes = 1;
+  int node_rank = 0;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 0;  // 0: a free port (single node)
+  double grace = 5.0;
+  std::vector<std::string> command;
+};
+
+int free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  STRATA_CHECK(fd >= 0, "socket: ", std::strerror(errno));
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = 0;
+  socklen_t len = sizeof a;
+  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 &&
+                  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0;
+  ::close(fd);
+  STRATA_CHECK(ok, "cannot find a free TCP port: ", std::strerror(errno), "; give --master-port");
+  return ntohs(a.sin_port);
+}
+
+struct Rank {
+  int rank = 0;
+  pid_t pid = -1;
+  int out = -1;  // read end of its stdout+stderr pipe
+  std::string partial;
+  bool running = true;
+  int status = 0;
+};
+
+void print_lines(Rank& r, const char* data, size_t n) {
+  r.partial.append(data, n);
+  size_t start = 0;
+  for (size_t nl; (nl = r.partial.find('\n', start)) != std::string::npos; start = nl + 1) {
+    fmt::print("[rank {}] {}\n", r.rank, std::string_view(r.partial).substr(start, nl - start));
+  }
+  r.partial.erase(0, start);
+  std::fflush(stdout);
+}
+
+int run_ranks(const RunOptions& o) {
+  STRATA_CHECK(!o.command.empty(), "give the program after --, e.g. strata run -n 2 -- build/examples/gpt");
+  STRATA_CHECK(o.nproc >= 1 && o.nnodes >= 1 && o.node_rank >= 0 && o.node_rank < o.nnodes,
+               "-n must be at least 1 and --node-rank below --nnodes");
+  STRATA_CHECK(o.nnodes == 1 || o.master_port > 0, "a multi-node job needs the same --master-port on every node");
+  const int port = o.master_port > 0 ? o.master_port : free_port();
+  const int world = o.nproc * o.nnodes;
+  std::vector<Rank> ranks(o.nproc);
+  for (int i = 0; i < o.nproc; ++i) {
+    int fds[2];
+    STRATA_CHECK(::pipe2(fds, O_CLOEXEC) == 0, "pipe: ", std::strerror(errno));
+    Rank& r = ranks[i];
+    r.rank = o.node_rank * o.nproc + i;
+    r.pid = ::fork();
+    STRATA_CHECK(r.pid >= 0, "fork: ", std::strerror(errno));
+    if (r.pid == 0) {
+      ::dup2(fds[1], STDOUT_FILENO);
+      ::dup2(fds[1], STDERR_FILENO);
+      const std::pair<const char*, std::string> env[] = {
+          {"RANK", std::to_string(r.rank)},          {"WORLD_SIZE", std::to_string(world)},
+          {"LOCAL_RANK", std::to_string(i)},         {"LOCAL_WORLD_SIZE", std::to_string(o.nproc)},
+          {"GROUP_RANK", std::to_string(o.node_rank)}, {"ROLE_RANK", std::to_string(r.rank)},
+          {"MASTER_ADDR", o.master_addr},            {"MASTER_PORT", std::to_string(port)}};
+      for (const auto& [k, v] : env) ::setenv(k, v.c_str(), 1);
+      std::vector<char*> argv;
+      for (const std::string& a : o.command) argv.push_back(const_cast<char*>(a.c_str()));
+      argv.push_back(nullptr);
+      ::execvp(argv[0], argv.data());
+      std::fprintf(stderr, "cannot run %s: %s\n", argv[0], std::strerror(errno));
+      ::_exit(127);
+    }
+    ::close(fds[1]);
+    r.out = fds[0];
+  }
+  fmt::print("strata run: {} ranks ({} on this node), MASTER_ADDR={} MASTER_PORT={}\n", world, o.nproc,
+             o.master_addr, port);
+  std::fflush(stdout);
+
+  int exit_code = 0;
+  const Rank* failed = nullptr;
+  auto stop_others = [&] {
+    for (Rank& r : ranks) {
+      if (r.running) ::kill(r.pid, SIGTERM);
+    }
+  };
+  std::chrono::steady_clock::time_point kill_at{};
+  char buf[65536];
+  for (;;) {
+    std::vector<pollfd> fds;
+    for (Rank& r : ranks) {
+      if (r.out >= 0) fds.push_back({r.out, POLLIN, 0});
+    }
+    if (!fds.empty()) {
+      ::poll(fds.data(), fds.size(), 100);
+    } else {
+      ::usleep(20000);  // output closed, ranks still running
+    }
+    for (Rank& r : ranks) {
+      if (r.out < 0) continue;
+      bool ready = false;
+      for (const pollfd& p : fds) ready = ready || (p.fd == r.out && p.revents != 0);
+      if (!ready) continue;
+      const ssize_t n = ::read(r.out, buf, sizeof buf);
+      if (n > 0) {
+        print_lines(r, buf, static_cast<size_t>(n));
+      } else if (n == 0 || (errno != EAGAIN && errno != EINTR)) {
+        if (!r.partial.empty()) print_lines(r, "\n", 1);
+        ::close(r.out);
+        r.out = -1;
+      }
+    }
+    // Reap ranks that ended.
+    for (Rank& r : ranks) {
+      if (!r.running) continue;
+      int status = 0;
+      if (::waitpid(r.pid, &status, WNOHANG) != r.pid) continue;
+      r.running = false;
+      r.status = status;
+      const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
+      if (!ok && failed == nullptr) {
+        failed = &r;
+        exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+        fmt::print(stderr, "strata run: rank {} {}; stopping the other ranks\n", r.rank,
+                   WIFEXITED(status) ? fmt::format("exited with status {}", WEXITSTATUS(status))
+                                     : fmt::format("was killed by signal {} ({})", WTERMSIG(status),
+                                                   strsignal(WTERMSIG(status))));
+        stop_others();
+        kill_at = std::chrono::steady_clock::now() +
+                  std::chrono::milliseconds(static_cast<int64_t>(o.grace * 1000));
+      }
+    }
+    bool any_running = false, any_open = false;
+    for (const Rank& r : ranks) {
+      any_running = any_running || r.running;
+      any_open = any_open || r.out >= 0;
+    }
+    if (!any_running && !any_open) break;
+    if (failed != nullptr && any_running && std::chrono::steady_clock::now() > kill_at) {
+      for (Rank& r : ranks) {
+        if (r.running) ::kill(r.pid, SIGKILL);
+      }
+    }
+  }
+  if (failed != nullptr) {
+    fmt::print(stderr, "strata run: failed: rank {} (exit code {})\n", failed->rank, exit_code);
+  }
+  return exit_code;
+}
+
+}  // namespace
+
+void add_run_command(CLI::App& app) {
+  auto* cmd = app.add_subcommand("run", "Start the ranks of a distributed job on this node (torchrun's variables)");
+  auto o = std::make_shared<RunOptions>();
+  cmd->add_option("-n,--nproc-per-node", o->nproc, "ranks on this node")->required();
+  cmd->add_option("--nnodes", o->nnodes, "nodes in the job");
+  cmd->add_option("--node-rank", o->node_rank, "this node's index");
+  cmd->add_option("--master-addr", o->master_addr, "address of rank 0's node");
+  cmd->add_option("--master-port", o->master_port, "port of the rendezvous store (default: a free one, one node)");
+  cmd->add_option("--grace", o->grace, "seconds between SIGTERM and SIGKILL for the others when a rank fails");
+  cmd->add_option("command", o->command, "the program and its arguments, after --")->required();
+  cmd->callback([o] {
+    const int code = run_ranks(*o);
+    if (code != 0) std::exit(code);
+  });
+}
+
+}  // namespace strata::tools
