@@ -5,9 +5,17 @@
 namespace strata::parallel {
 
 Engine::Engine(torch::nn::Module& module, AdamWConfig optimizer, EngineOptions options)
+    : Engine(module, optimizer, std::move(options), nullptr) {}
+
+Engine::Engine(torch::nn::Module& module, AdamWConfig optimizer, EngineOptions options,
+               std::shared_ptr<Communicator> comm)
     : impl_(std::make_unique<Impl>()) {
   Impl& s = *impl_;
   options.validate();
+  s.comm = std::move(comm);
+  STRATA_CHECK(!s.data_parallel() || options.precision != DType::kBFloat16,
+               "data parallel training reduces gradients with Gloo, which sums fp32 and fp16 but not bf16; "
+               "use fp32 or fp16 with more than one rank");
   if (!options.init_weights.empty()) import_weights(module, options.init_weights);
   s.opt = optimizer;
   s.options = options;
@@ -127,6 +135,13 @@ Engine::Engine(torch::nn::Module& module, AdamWConfig optimizer, EngineOptions o
     p.tensor.set_data(view);
   }
   for (Impl::Cast& c : s.casts) c.tensor.set_data(c.tensor.to(s.compute));
+  if (s.data_parallel()) {
+    for (size_t i = 0; i < s.families.size(); ++i) s.family_pos[s.families[i]] = i;
+    s.grads_expected.assign(s.families.size(), 0);
+    for (const Impl::Param& p : s.params) s.grads_expected[s.family_pos[p.family]] += 1;
+    s.grads_arrived.assign(s.families.size(), 0);
+    s.broadcast_parameters();
+  }
   s.hook = std::make_unique<OpHook>(s);
   if (!options.trace_path.empty()) s.start_trace();
   if (options.device_capacity > 0) s.nm_counter = s.non_model_counter();
@@ -159,6 +174,8 @@ StepResult Engine::train_step(const std::function<torch::Tensor()>& loss_fn) {
     STRATA_CHECK(loss.defined() && loss.numel() == 1, "train_step's closure must return the loss as one number");
     r.loss = loss.item<double>();
     if (s.tracing()) s.recorder->phase = "backward";
+    s.boundary = (s.micro_steps + 1) % s.options.grad_accumulation == 0;
+    if (s.data_parallel() && s.boundary) s.begin_reductions();
     if (s.options.prefetch && (s.micro_steps + 1) % s.options.grad_accumulation == 0) s.read_optimizer_state_early();
     if (s.scale != 1.0) {
       (loss.to(torch::kFloat32) * s.scale).backward();
@@ -167,6 +184,7 @@ StepResult Engine::train_step(const std::function<torch::Tensor()>& loss_fn) {
     }
   }
   s.end_plan_step();
+  if (s.data_parallel() && s.boundary) s.finish_reductions();
   if (++s.micro_steps % s.options.grad_accumulation == 0) {
     if (s.tracing()) {
       s.recorder->phase = "optimizer";
@@ -198,6 +216,7 @@ double Engine::loss_scale() const { return impl_->scale; }
 int64_t Engine::skipped_steps() const { return impl_->skipped; }
 int64_t Engine::micro_steps() const { return impl_->micro_steps; }
 int64_t Engine::replans() const { return impl_->replans; }
+int64_t Engine::collectives() const { return impl_->collectives; }
 Engine::DataWait Engine::data_wait() const { return impl_->wait; }
 uint64_t Engine::lowest_device_budget() const {
   return impl_->capacity_floor == UINT64_MAX ? impl_->options.budgets.device : impl_->capacity_floor;
@@ -222,6 +241,11 @@ int64_t Engine::model_state_bytes() const {
 
 std::unique_ptr<Engine> attach(torch::nn::Module& module, AdamWConfig optimizer, EngineOptions options) {
   return std::make_unique<Engine>(module, optimizer, std::move(options));
+}
+
+std::unique_ptr<Engine> attach(torch::nn::Module& module, AdamWConfig optimizer, EngineOptions options,
+                               std::shared_ptr<Communicator> comm) {
+  return std::make_unique<Engine>(module, optimizer, std::move(options), std::move(comm));
 }
 
 }  // namespace strata::parallel

@@ -23,6 +23,7 @@
 #include "strata/kernels/optim.h"
 #include "strata/memory/nvme_swap_store.h"
 #include "strata/memory/trace.h"
+#include "strata/parallel/communicator.h"
 #include "strata/parallel/engine.h"
 #include "strata/parallel/memory_counter.h"
 #include "strata/parallel/op_hook.h"
@@ -199,6 +200,28 @@ struct Engine::Impl : OpObserver {
   int64_t skipped = 0;
   std::mutex grad_mu;
   std::unique_ptr<TraceRecorder> recorder;  // null: no trace
+  // Note [Data parallel gradients]
+  // With a communicator of more than one rank, every rank trains a replica on
+  // its own batch and the gradient chunks are averaged before the step. On the
+  // micro-step that ends an accumulation, a family's gradient chunk is
+  // all-reduced as soon as all its parameters' gradients are in, while the
+  // rest of backward runs. Reductions are issued in descending family order
+  // on every rank (backward reaches the last families first), so the ranks
+  // issue the same collectives in the same order whatever their timing: a
+  // family whose gradients are not all in yet holds back the ones after it.
+  // Parameters a rank did not use this step (another branch) never deliver a
+  // gradient there, so after backward the remaining families are reduced with
+  // zeros for them, and one more all-reduce (max) of per-parameter "has a
+  // gradient" flags tells every rank which parameters any rank used, so all
+  // update the same ones. Accumulation micro-steps communicate nothing.
+  std::shared_ptr<Communicator> comm;  // null: a single process
+  std::vector<int> grads_expected, grads_arrived;  // per family position
+  std::vector<WorkHandle> reductions;              // per family position; null: not issued yet
+  std::unordered_map<memory::FamilyId, size_t> family_pos;
+  size_t reduce_cursor = 0;  // families at positions >= this have been issued
+  bool boundary = false;     // this micro-step ends an accumulation
+  int64_t collectives = 0;
+  bool data_parallel() const { return comm != nullptr && comm->world_size() > 1; }
   // Note [Belady over the recorded operator sequence] (eviction_policy.h).
   memory::TracePolicy* planner = nullptr;  // owned by the manager; null unless policy "auto"
   // Note [Static placement] (eviction_policy.h): the streamed chunks of the
@@ -556,6 +579,73 @@ struct Engine::Impl : OpObserver {
     }
     unpin(gc, {p.slot});
     p.has_grad = true;
+    if (data_parallel() && boundary) {
+      const size_t pos = family_pos.at(p.family);
+      grads_arrived[pos] += 1;
+      issue_ready_reductions();
+    }
+  }
+
+  // See Note [Data parallel gradients]. Called with grad_mu held.
+  void issue_reduction(size_t pos) {
+    const ChunkId gc = mgr->family(families[pos]).grad;
+    pin(gc, Tier::kHost, all_slots(gc));  // stays on host, unmoved, while the collective reads it
+    reductions[pos] = comm->all_reduce(mgr->data(gc), static_cast<size_t>(mgr->chunk(gc).capacity_elems()),
+                                       options.precision, ReduceOp::kSum);
+    collectives += 1;
+  }
+  void issue_ready_reductions() {
+    while (reduce_cursor > 0 && grads_arrived[reduce_cursor - 1] == grads_expected[reduce_cursor - 1]) {
+      issue_reduction(--reduce_cursor);
+    }
+  }
+  void begin_reductions() {
+    std::fill(grads_arrived.begin(), grads_arrived.end(), 0);
+    reductions.assign(families.size(), nullptr);
+    reduce_cursor = families.size();
+  }
+  // After backward on an accumulation boundary: the rest of the families,
+  // the "has a gradient" flags, then every reduction waited for.
+  void finish_reductions() {
+    {
+      std::lock_guard<std::mutex> lock(grad_mu);
+      while (reduce_cursor > 0) issue_reduction(--reduce_cursor);
+    }
+    std::vector<float> used(params.size());
+    for (size_t i = 0; i < params.size(); ++i) used[i] = params[i].has_grad ? 1.0f : 0.0f;
+    WorkHandle flags = comm->all_reduce(used.data(), used.size(), DType::kFloat32, ReduceOp::kMax);
+    collectives += 1;
+    std::exception_ptr failure;
+    for (size_t pos = 0; pos < reductions.size(); ++pos) {
+      try {
+        reductions[pos]->wait();
+      } catch (...) {
+        if (!failure) failure = std::current_exception();
+      }
+      const ChunkId gc = mgr->family(families[pos]).grad;
+      unpin(gc, all_slots(gc));
+    }
+    try {
+      flags->wait();
+    } catch (...) {
+      if (!failure) failure = std::current_exception();
+    }
+    if (failure) std::rethrow_exception(failure);
+    for (size_t i = 0; i < params.size(); ++i) params[i].has_grad = used[i] > 0.0f;
+  }
+
+  // Rank 0's parameters (and master weights) to every rank, so replicas start equal.
+  void broadcast_parameters() {
+    for (memory::FamilyId f : families) {
+      const memory::ChunkFamily& fam = mgr->family(f);
+      std::vector<ChunkId> chunks = {fam.param};
+      if (fam.master) chunks.push_back(*fam.master);
+      with_family_on_host(f, chunks, [&] {
+        for (ChunkId c : chunks) {
+          comm->broadcast(mgr->data(c), mgr->chunk(c).alloc_bytes() / sizeof(float), DType::kFloat32, 0)->wait();
+        }
+      });
+    }
   }
 
   // Gradient chunks are dropped, not zeroed: the next backward materialises
@@ -722,7 +812,7 @@ struct Engine::Impl : OpObserver {
 
   // Returns false when the step was skipped for overflow.
   bool step(double& grad_norm) {
-    const double average = 1.0 / options.grad_accumulation;
+    const double average = 1.0 / (options.grad_accumulation * (data_parallel() ? comm->world_size() : 1));
     const kernels::GradStats total = grad_stats();
     if (!total.finite) {
       skipped += 1;

@@ -43,9 +43,15 @@ struct StepResult {
   double loss_scale = 1.0;  // the scale used for this micro-step's backward
 };
 
+class Communicator;
+
 class Engine {
  public:
   Engine(torch::nn::Module& module, AdamWConfig optimizer, EngineOptions options);
+  /// Data parallel over `comm`'s ranks when it has more than one (Note [Data
+  /// parallel gradients]): rank 0's parameters are broadcast at attach, and
+  /// gradients are averaged over ranks before every step.
+  Engine(torch::nn::Module& module, AdamWConfig optimizer, EngineOptions options, std::shared_ptr<Communicator> comm);
   /// Gives the parameters owned fp32 memory again (the master values).
   ~Engine();
   Engine(const Engine&) = delete;
@@ -73,6 +79,8 @@ class Engine {
   DataWait data_wait() const;
   /// The lowest chunk budget the device-capacity rule set (budgets.device without it).
   uint64_t lowest_device_budget() const;
+  /// Collectives issued for data parallelism (gradient chunks and flags).
+  int64_t collectives() const;
   /// Times the operator sequence diverged from the "auto" policy's plan and was planned again.
   int64_t replans() const;
 
@@ -107,5 +115,8 @@ class Engine {
 
 /// attach(module, optimizer, options): the entry point a LibTorch user calls.
 std::unique_ptr<Engine> attach(torch::nn::Module& module, AdamWConfig optimizer, EngineOptions options);
+/// The same, data parallel over `comm` (communicator.h).
+std::unique_ptr<Engine> attach(torch::nn::Module& module, AdamWConfig optimizer, EngineOptions options,
+                               std::shared_ptr<Communicator> comm);
 
 }  // namespace strata::parallel
