@@ -33,6 +33,7 @@
 #include "gpt_model.h"
 #include "strata/core/bytes.h"
 #include "strata/core/error.h"
+#include "strata/parallel/communicator.h"
 #include "strata/parallel/engine.h"
 
 namespace {
@@ -123,14 +124,24 @@ int run(int argc, char** argv) {
                steps * batch * mc.context / secs);
     return 0;
   }
-  auto engine = strata::parallel::attach(*model, cfg, opts);
+  // Under `strata run -n N` (or torchrun): data parallel over Gloo, each rank
+  // on batches of its own; rank 0 saves, prints the summary and exports.
+  std::shared_ptr<strata::parallel::Communicator> comm;
+  const strata::parallel::Rendezvous rv = strata::parallel::Rendezvous::from_env();
+  if (rv.world_size > 1) {
+    comm = strata::parallel::make_gloo_communicator(rv);
+    opts.nvme_dir += "/rank" + std::to_string(rv.rank);  // each rank's NVMe tier has files of its own
+  }
+  const bool lead = rv.rank == 0;
+  auto engine = strata::parallel::attach(*model, cfg, opts, comm);
+  if (comm) torch::manual_seed(1 + rv.rank);  // each rank's own batches
   fmt::print("corpus: {} bytes; model: {} layers, dim {}, context {}, {} parameters, {}\n", corpus.size(0), mc.layers,
              mc.dim, mc.context, params, strata::dtype_name(opts.precision));
   fmt::print("model state {} (params, grads, master weights, AdamW m and v) on budgets: device {} ({:.1f}x smaller, "
              "{}), host {}, nvme {} in {}; optimizer state of {} of {} chunk families on nvme\n",
              strata::format_bytes(state), strata::format_bytes(opts.budgets.device),
              static_cast<double>(state) / opts.budgets.device, engine->chunks().device().name(),
-             strata::format_bytes(opts.budgets.host), strata::format_bytes(opts.budgets.nvme), nvme_dir,
+             strata::format_bytes(opts.budgets.host), strata::format_bytes(opts.budgets.nvme), opts.nvme_dir,
              engine->nvme_optim_families(), engine->num_families());
 
   int first_step = 1;
@@ -138,6 +149,8 @@ int run(int argc, char** argv) {
     engine->load(resume);
     first_step = static_cast<int>(engine->micro_steps()) + 1;
     fmt::print("resumed from {} at step {}\n", resume, first_step);
+    // The checkpoint holds rank 0's RNG state; the other ranks need batches of their own.
+    if (comm) torch::manual_seed(1 + rv.rank + 7919 * first_step);
   }
   const bool tty = isatty(STDOUT_FILENO);
   const auto start = std::chrono::steady_clock::now();
@@ -149,7 +162,7 @@ int run(int argc, char** argv) {
     last = r.loss;
     if (save_every > 0 && step % save_every == 0) {
       const auto t0 = std::chrono::steady_clock::now();
-      engine->save(checkpoint_dir);
+      if (lead) engine->save(checkpoint_dir);
       const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       if (!tty) fmt::print("saved step {} to {} in {:.2f} s\n", step, checkpoint_dir, secs);
     }
@@ -177,7 +190,7 @@ int run(int argc, char** argv) {
   }
   fmt::print("loss {:.3f} -> {:.3f} over {} steps; last step's loss {:.6f}\n", first_loss, avg,
              steps - first_step + 1, last);
-  if (!export_weights.empty()) {
+  if (!export_weights.empty() && lead) {
     engine->export_weights(export_weights);
     fmt::print("weights written to {} (safetensors)\n", export_weights);
   }

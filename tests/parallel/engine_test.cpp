@@ -364,7 +364,9 @@ TEST(Engine, AutoPolicyMovesNoMoreThanLruOrStaticWithIdenticalResults) {
     EXPECT_EQ(fixed.losses, lru.losses);
     EXPECT_EQ(train("auto", divisor, /*prefetch=*/false).losses, lru.losses) << "nor must prefetching";
     EXPECT_LE(planned.to_device, lru.to_device) << "1/" << divisor;
-    if (divisor == 5) EXPECT_LT(planned.to_device, lru.to_device) << "Belady saves loads LRU makes";
+    if (divisor == 5) {
+      EXPECT_LT(planned.to_device, lru.to_device) << "Belady saves loads LRU makes";
+    }
     EXPECT_LE(planned.to_device, fixed.to_device) << "1/" << divisor;
     for (const Run* r : {&lru, &fixed, &planned}) EXPECT_LE(r->device.peak, r->device.budget);
     std::printf("1/%d of model state: bytes moved to the device over 6 steps: lru %llu, static %llu, auto %llu\n",
