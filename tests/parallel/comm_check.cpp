@@ -6,6 +6,8 @@
 //   comm_check --die-at-rank R      rank R exits with status 3 after the first collective
 //   comm_check --skip-at-rank R     rank R never issues the all_reduce (and sleeps); the
 //                                   others' all_reduce times out (--timeout-ms, default 2000)
+#include <torch/torch.h>
+
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -17,6 +19,7 @@
 
 #include "strata/core/error.h"
 #include "strata/parallel/communicator.h"
+#include "strata/parallel/tensor_collectives.h"
 
 using strata::DType;
 using strata::parallel::ReduceOp;
@@ -145,6 +148,32 @@ int main(int argc, char** argv) {
         for (size_t i = 0; i < n; ++i) expect(got[i] == value(partner, i), "send/recv" + at);
       }
       comm->barrier()->wait();
+    }
+    // The tensor forms, against torch's own arithmetic.
+    {
+      const torch::Tensor mine = torch::arange(6, torch::kFloat32).reshape({2, 3}) + rank;
+      torch::Tensor sum = mine.clone();
+      strata::parallel::all_reduce(*comm, sum)->wait();
+      torch::Tensor expect_sum = torch::zeros({2, 3});
+      for (int r = 0; r < world; ++r) expect_sum += torch::arange(6, torch::kFloat32).reshape({2, 3}) + r;
+      expect(torch::equal(sum, expect_sum), "tensor all_reduce");
+      torch::Tensor gathered = torch::empty({world, 2, 3});
+      strata::parallel::all_gather(*comm, mine, gathered)->wait();
+      for (int r = 0; r < world; ++r) {
+        expect(torch::equal(gathered[r], torch::arange(6, torch::kFloat32).reshape({2, 3}) + r), "tensor all_gather");
+      }
+      torch::Tensor block = torch::empty({2, 3});
+      strata::parallel::reduce_scatter(*comm, gathered, block)->wait();
+      expect(torch::equal(block, (torch::arange(6, torch::kFloat32).reshape({2, 3}) + rank) * world),
+             "tensor reduce_scatter");
+      torch::Tensor wrong = torch::empty({world + 1, 2, 3});
+      bool refused = false;
+      try {
+        strata::parallel::all_gather(*comm, mine, wrong);
+      } catch (const strata::Error&) {
+        refused = true;
+      }
+      expect(refused, "a wrongly shaped tensor is refused");
     }
     std::printf("rank %d: %d checks passed\n", rank, checks);
   } catch (const std::exception& e) {
