@@ -17,6 +17,7 @@ namespace strata::checkpoint {
 namespace {
 
 constexpr size_t kBufferBytes = 4 << 20;
+constexpr size_t kAlign = 4096;  // O_DIRECT's alignment on the filesystems strata targets
 
 XXH3_state_t* state(void* p) { return static_cast<XXH3_state_t*>(p); }
 
@@ -25,17 +26,25 @@ XXH3_state_t* state(void* p) { return static_cast<XXH3_state_t*>(p); }
 std::string hex64(uint64_t v) { return fmt::format("{:016x}", v); }
 
 FileWriter::FileWriter(std::string path) : path_(std::move(path)) {
-  fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_DIRECT, 0644);
+  direct_ = fd_ >= 0;
+  if (fd_ < 0 && errno == EINVAL) fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   STRATA_CHECK(fd_ >= 0, "cannot create ", path_, ": ", std::strerror(errno));
   hash_ = XXH3_createState();
-  STRATA_CHECK(hash_ != nullptr, "out of memory for a checksum state");
+  buffer_ = static_cast<char*>(std::aligned_alloc(kAlign, kBufferBytes));
+  if (hash_ == nullptr || buffer_ == nullptr) {
+    ::close(fd_);
+    XXH3_freeState(state(hash_));
+    std::free(buffer_);
+    STRATA_FAIL("out of memory for a checkpoint file's buffer");
+  }
   XXH3_64bits_reset(state(hash_));
-  buffer_.reserve(kBufferBytes);
 }
 
 FileWriter::~FileWriter() {
   if (fd_ >= 0) ::close(fd_);
   if (hash_ != nullptr) XXH3_freeState(state(hash_));
+  std::free(buffer_);
 }
 
 void FileWriter::write(const void* data, size_t bytes) {
@@ -44,28 +53,40 @@ void FileWriter::write(const void* data, size_t bytes) {
   bytes_ += bytes;
   const char* p = static_cast<const char*>(data);
   while (bytes > 0) {
-    const size_t take = std::min(bytes, kBufferBytes - buffer_.size());
-    buffer_.append(p, take);
+    const size_t take = std::min(bytes, kBufferBytes - used_);
+    std::memcpy(buffer_ + used_, p, take);
+    used_ += take;
     p += take;
     bytes -= take;
-    if (buffer_.size() == kBufferBytes) flush();
+    if (used_ == kBufferBytes) flush(false);
   }
 }
 
-void FileWriter::flush() {
+// Writes the buffer. With O_DIRECT every write is a whole number of aligned
+// blocks: the last one is padded with zeros and the file truncated after.
+void FileWriter::flush(bool last) {
+  size_t length = used_;
+  if (direct_ && last) {
+    length = (used_ + kAlign - 1) / kAlign * kAlign;
+    std::memset(buffer_ + used_, 0, length - used_);
+  }
   size_t done = 0;
-  while (done < buffer_.size()) {
-    const ssize_t n = ::write(fd_, buffer_.data() + done, buffer_.size() - done);
+  while (done < length) {
+    const ssize_t n = ::write(fd_, buffer_ + done, length - done);
     if (n < 0 && errno == EINTR) continue;
     STRATA_CHECK(n > 0, "cannot write ", path_, ": ", n < 0 ? std::strerror(errno) : "no progress (disk full?)");
     done += static_cast<size_t>(n);
   }
-  buffer_.clear();
+  used_ = 0;
   kill_point("data");
 }
 
 void FileWriter::finish() {
-  flush();
+  flush(true);
+  if (direct_) {
+    STRATA_CHECK(::ftruncate(fd_, static_cast<off_t>(bytes_)) == 0, "cannot truncate ", path_, ": ",
+                 std::strerror(errno));
+  }
   STRATA_CHECK(::fsync(fd_) == 0, "cannot fsync ", path_, ": ", std::strerror(errno));
   const int fd = fd_;
   fd_ = -1;

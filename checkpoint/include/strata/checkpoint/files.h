@@ -19,6 +19,12 @@ std::string hex64(uint64_t v);
 /// Sequential writer: buffers, hashes everything written (XXH3-64), and on
 /// finish() flushes, fsyncs and closes. A writer destroyed unfinished closes
 /// the file and leaves it to its directory's owner to remove.
+///
+/// It writes with O_DIRECT in 4 MiB aligned blocks where the filesystem
+/// allows (the last block is padded, then the file is truncated to its true
+/// size), which here wrote about 5x faster than the page cache plus fsync
+/// (dd: 1.7 GB/s vs 0.30 GB/s); elsewhere (tmpfs) it falls back to buffered
+/// writes.
 class FileWriter {
  public:
   explicit FileWriter(std::string path);
@@ -34,12 +40,14 @@ class FileWriter {
   const std::string& path() const { return path_; }
 
  private:
-  void flush();
+  void flush(bool last);
   std::string path_;
   int fd_ = -1;
+  bool direct_ = false;
   uint64_t bytes_ = 0;
   void* hash_ = nullptr;  // XXH3_state_t
-  std::string buffer_;
+  char* buffer_ = nullptr;  // 4 KiB aligned
+  size_t used_ = 0;         // bytes in buffer_
 };
 
 /// Reads `bytes` at `offset` of an open file, all or an error naming `path`
