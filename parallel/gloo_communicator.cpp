@@ -12,6 +12,7 @@
 #include <gloo/transport/tcp/device.h>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <algorithm>
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
@@ -94,7 +95,26 @@ const char* op_name(ReduceOp op) {
 // See Note [Collectives are issued in order].
 class GlooCommunicator final : public Communicator {
  public:
-  GlooCommunicator(const Rendezvous& r, CommunicatorOptions o) : rank_(r.rank), size_(r.world_size), options_(o) {
+  // What every communicator of a job shares: the rendezvous store and the
+  // TCP device. Groups made by split() connect their own contexts through it.
+  struct World {
+    c10::intrusive_ptr<c10d::Store> store;
+    std::shared_ptr<gloo::transport::Device> device;
+  };
+
+  // Connects this rank's context of the group `prefix` (`size` ranks).
+  GlooCommunicator(std::shared_ptr<World> world, int rank, int size, std::string prefix, CommunicatorOptions o)
+      : rank_(rank), size_(size), options_(o), world_(std::move(world)), prefix_(std::move(prefix)) {
+    C10dStore store(world_->store);
+    gloo::rendezvous::PrefixStore prefixed(prefix_, store);
+    auto context = std::make_shared<gloo::rendezvous::Context>(rank, size);
+    context->setTimeout(o.timeout);
+    context->connectFullMesh(prefixed, world_->device);
+    context_ = context;
+    worker_ = std::thread([this] { run(); });
+  }
+
+  static std::unique_ptr<Communicator> connect(const Rendezvous& r, CommunicatorOptions o) {
     STRATA_CHECK(r.world_size >= 1 && r.rank >= 0 && r.rank < r.world_size, "rank ", r.rank, " of world size ",
                  r.world_size, " is not a valid rank (RANK, WORLD_SIZE)");
     STRATA_CHECK(r.master_port > 0 && r.master_port < 65536, "MASTER_PORT ", r.master_port, " is not a TCP port");
@@ -105,17 +125,12 @@ class GlooCommunicator final : public Communicator {
       so.numWorkers = static_cast<size_t>(r.world_size);
       so.waitWorkers = false;
       so.timeout = o.timeout;
-      auto tcp = c10::make_intrusive<c10d::TCPStore>(r.master_addr, so);
-      C10dStore store(tcp);
-      gloo::rendezvous::PrefixStore prefixed("strata-gloo", store);
+      auto world = std::make_shared<World>();
+      world->store = c10::make_intrusive<c10d::TCPStore>(r.master_addr, so);
       gloo::transport::tcp::attr attr;
       attr.hostname = o.bind_host;
-      auto device = gloo::transport::tcp::CreateDevice(attr);
-      auto context = std::make_shared<gloo::rendezvous::Context>(r.rank, r.world_size);
-      context->setTimeout(o.timeout);
-      context->connectFullMesh(prefixed, device);
-      context_ = context;
-      store_ = tcp;
+      world->device = gloo::transport::tcp::CreateDevice(attr);
+      return std::make_unique<GlooCommunicator>(world, r.rank, r.world_size, "strata-gloo", o);
     } catch (const Error&) {
       throw;
     } catch (const std::exception& e) {
@@ -123,7 +138,24 @@ class GlooCommunicator final : public Communicator {
                   r.master_port, " within ", o.timeout.count(), " ms: ", e.what(),
                   " (are all ranks started, with the same MASTER_ADDR and MASTER_PORT?)");
     }
-    worker_ = std::thread([this] { run(); });
+  }
+
+  std::unique_ptr<Communicator> split(const std::vector<int>& ranks, const std::string& name) override {
+    const auto me = std::find(ranks.begin(), ranks.end(), rank_);
+    STRATA_CHECK(me != ranks.end(), "rank ", rank_, " is not in the group \"", name, "\" it tries to join");
+    for (size_t i = 0; i < ranks.size(); ++i) {
+      STRATA_CHECK(ranks[i] >= 0 && ranks[i] < size_, "group \"", name, "\": rank ", ranks[i], " is not a rank of ",
+                   size_);
+      STRATA_CHECK(std::count(ranks.begin(), ranks.end(), ranks[i]) == 1, "group \"", name, "\" lists rank ",
+                   ranks[i], " twice");
+    }
+    try {
+      return std::make_unique<GlooCommunicator>(world_, static_cast<int>(me - ranks.begin()),
+                                                static_cast<int>(ranks.size()), prefix_ + "/" + name, options_);
+    } catch (const std::exception& e) {
+      STRATA_FAIL("rank ", rank_, " could not form the group \"", name, "\" of ", ranks.size(), " ranks within ",
+                  options_.timeout.count(), " ms: ", e.what(), " (does every member create it?)");
+    }
   }
 
   ~GlooCommunicator() override {
@@ -320,8 +352,9 @@ class GlooCommunicator final : public Communicator {
 
   int rank_, size_;
   CommunicatorOptions options_;
+  std::shared_ptr<World> world_;
+  std::string prefix_;
   std::shared_ptr<gloo::Context> context_;
-  c10::intrusive_ptr<c10d::Store> store_;
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::unique_ptr<Op>> queue_;
@@ -355,7 +388,47 @@ Rendezvous Rendezvous::from_env() {
 
 std::unique_ptr<Communicator> make_gloo_communicator(const Rendezvous& r, CommunicatorOptions options) {
   if (const char* host = std::getenv("STRATA_COMM_HOST"); host != nullptr && *host != '\0') options.bind_host = host;
-  return std::make_unique<GlooCommunicator>(r, options);
+  return GlooCommunicator::connect(r, options);
+}
+
+}  // namespace strata::parallel
+
+namespace strata::parallel {
+
+std::vector<int> DeviceMesh::group_ranks(const std::array<int, 4>& dims, int rank, Axis axis) {
+  std::array<int, 4> c{};
+  int rest = rank;
+  for (int a = 3; a >= 0; --a) {
+    c[a] = rest % dims[a];
+    rest /= dims[a];
+  }
+  std::vector<int> ranks;
+  for (int i = 0; i < dims[axis]; ++i) {
+    c[axis] = i;
+    ranks.push_back(((c[0] * dims[1] + c[1]) * dims[2] + c[2]) * dims[3] + c[3]);
+  }
+  return ranks;
+}
+
+// See Note [Device mesh].
+DeviceMesh DeviceMesh::create(Communicator& world, std::array<int, 4> dims) {
+  int product = 1;
+  for (int d : dims) {
+    STRATA_CHECK(d >= 1, "device mesh dimensions must be at least 1");
+    product *= d;
+  }
+  STRATA_CHECK(product == world.world_size(), "a ", dims[0], " x ", dims[1], " x ", dims[2], " x ", dims[3],
+               " (dp x pp x tp x sp) mesh has ", product, " ranks, but the world has ", world.world_size());
+  DeviceMesh m;
+  m.dims = dims;
+  const char* names[] = {"dp", "pp", "tp", "sp"};
+  for (int a = 0; a < 4; ++a) {
+    const std::vector<int> ranks = group_ranks(dims, world.rank(), static_cast<Axis>(a));
+    m.coords[a] = static_cast<int>(std::find(ranks.begin(), ranks.end(), world.rank()) - ranks.begin());
+    // The group's name: its axis and its first rank, the same on every member.
+    m.groups[a] = world.split(ranks, fmt::format("mesh-{}-{}", names[a], ranks.front()));
+  }
+  return m;
 }
 
 }  // namespace strata::parallel

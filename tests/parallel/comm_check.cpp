@@ -6,8 +6,10 @@
 //   comm_check --die-at-rank R      rank R exits with status 3 after the first collective
 //   comm_check --skip-at-rank R     rank R never issues the all_reduce (and sleeps); the
 //                                   others' all_reduce times out (--timeout-ms, default 2000)
+//   comm_check --mesh DP,PP,TP,SP   builds the device mesh and checks a sum over each axis group
 #include <torch/torch.h>
 
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -63,11 +65,13 @@ void expect(bool ok, const std::string& what) {
 
 int main(int argc, char** argv) {
   int die_at = -1, skip_at = -1, timeout_ms = 20000;
+  std::array<int, 4> mesh{0, 0, 0, 0};
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
     if (a == "--die-at-rank") die_at = std::atoi(argv[i + 1]);
     if (a == "--skip-at-rank") skip_at = std::atoi(argv[i + 1]);
     if (a == "--timeout-ms") timeout_ms = std::atoi(argv[i + 1]);
+    if (a == "--mesh") std::sscanf(argv[i + 1], "%d,%d,%d,%d", &mesh[0], &mesh[1], &mesh[2], &mesh[3]);
   }
   if (skip_at >= 0 && timeout_ms == 20000) timeout_ms = 2000;
   try {
@@ -81,6 +85,33 @@ int main(int argc, char** argv) {
       std::printf("rank %d: exiting with status 3 on purpose\n", rank);
       std::fflush(stdout);
       std::_Exit(3);
+    }
+    if (mesh[0] > 0) {
+      // Every axis group sums the world ranks of its members: the expected sum
+      // comes from the mesh's own rank arithmetic, checked here independently.
+      auto m = strata::parallel::DeviceMesh::create(*comm, mesh);
+      for (int a = 0; a < 4; ++a) {
+        auto& g = m.group(static_cast<strata::parallel::DeviceMesh::Axis>(a));
+        expect(g.world_size() == mesh[a] && g.rank() == m.coords[a], "mesh group size and rank");
+        float v = static_cast<float>(rank);
+        g.all_reduce(&v, 1, DType::kFloat32)->wait();
+        // Members differ from this rank only in coordinate a: stride = product of the faster dims.
+        int stride = 1;
+        for (int b = a + 1; b < 4; ++b) stride *= mesh[b];
+        float want = 0;
+        for (int i = 0; i < mesh[a]; ++i) want += static_cast<float>(rank + (i - m.coords[a]) * stride);
+        expect(v == want, "mesh axis " + std::to_string(a) + " sum");
+      }
+      bool refused = false;
+      try {
+        strata::parallel::DeviceMesh::create(*comm, {world, 2, 1, 1});
+      } catch (const strata::Error&) {
+        refused = true;
+      }
+      expect(refused, "a mesh of the wrong size is refused");
+      std::printf("rank %d: mesh %d x %d x %d x %d at (%d, %d, %d, %d): %d checks passed\n", rank, mesh[0], mesh[1],
+                  mesh[2], mesh[3], m.coords[0], m.coords[1], m.coords[2], m.coords[3], checks);
+      return 0;
     }
     if (skip_at >= 0) {
       if (rank == skip_at) {

@@ -18,11 +18,13 @@
 // operation, its size, this rank and the world; the communicator is then
 // broken, and every later operation fails at once with the same message.
 
+#include <array>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "strata/core/dtype.h"
 
@@ -79,6 +81,29 @@ class Communicator {
   virtual WorkHandle send(const void* buf, size_t bytes, int peer, uint32_t tag) = 0;
   virtual WorkHandle recv(void* buf, size_t bytes, int peer, uint32_t tag) = 0;
   virtual WorkHandle barrier() = 0;
+
+  /// A communicator for the group of `ranks` (ranks of this communicator; the
+  /// new one numbers them in the order given). Every member calls it with the
+  /// same list and a `name` unique to the group; other ranks do not.
+  virtual std::unique_ptr<Communicator> split(const std::vector<int>& ranks, const std::string& name) = 0;
+};
+
+/// Note [Device mesh]
+/// The world as a dp x pp x tp x sp grid, sp varying fastest, then tp, pp and
+/// dp: rank = ((dp_i * pp + pp_i) * tp + tp_i) * sp + sp_i, so tensor and
+/// sequence groups are neighbouring ranks (one node). Each rank joins the
+/// four groups along the axes through it; the later tensor, pipeline and
+/// sequence layers take their groups from here.
+struct DeviceMesh {
+  enum Axis { kData = 0, kPipeline = 1, kTensor = 2, kSequence = 3 };
+  std::array<int, 4> dims{1, 1, 1, 1};    // dp, pp, tp, sp
+  std::array<int, 4> coords{0, 0, 0, 0};  // this rank's place
+  std::array<std::unique_ptr<Communicator>, 4> groups;
+  /// The ranks (of `world`) in `rank`'s group along `axis`.
+  static std::vector<int> group_ranks(const std::array<int, 4>& dims, int rank, Axis axis);
+  /// Builds the mesh over `world`; dp * pp * tp * sp must equal its size.
+  static DeviceMesh create(Communicator& world, std::array<int, 4> dims);
+  Communicator& group(Axis axis) { return *groups[axis]; }
 };
 
 struct CommunicatorOptions {
