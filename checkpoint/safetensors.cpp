@@ -31,10 +31,8 @@ size_t dtype_bytes(const std::string& dtype) {
 }
 
 const TensorEntry* SafetensorsHeader::find(const std::string& name) const {
-  for (const TensorEntry& t : tensors) {
-    if (t.name == name) return &t;
-  }
-  return nullptr;
+  const auto it = index.find(name);
+  return it == index.end() ? nullptr : &tensors[it->second];
 }
 
 SafetensorsHeader parse_safetensors_header(const std::string& text, uint64_t data_bytes) {
@@ -93,6 +91,7 @@ SafetensorsHeader parse_safetensors_header(const std::string& text, uint64_t dat
     STRATA_CHECK(h.tensors[i].begin >= h.tensors[i - 1].end, "tensors \"", h.tensors[i - 1].name, "\" and \"",
                  h.tensors[i].name, "\" overlap");
   }
+  for (size_t i = 0; i < h.tensors.size(); ++i) h.index.emplace(h.tensors[i].name, i);
   return h;
 }
 

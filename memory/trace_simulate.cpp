@@ -93,13 +93,23 @@ SimulateResult simulate_trace(const Trace& t, const SimulateOptions& o) {
 
   // Uses of each chunk by device operators, for Belady; past the trace's end
   // the sequence repeats (the next step looks like the traced ones).
+  // Each device operator's distinct chunks, and the position one past the
+  // last device operator of its step (where the engine's plan ends).
   std::vector<size_t> device_ops;
+  std::vector<std::vector<int64_t>> device_chunks;
   for (size_t i = 0; i < t.ops.size(); ++i) {
-    if (is_device_op(t.ops[i])) device_ops.push_back(i);
+    if (!is_device_op(t.ops[i])) continue;
+    device_ops.push_back(i);
+    device_chunks.push_back(op_chunks(t.ops[i]));
+  }
+  std::vector<size_t> step_end(device_ops.size());
+  for (size_t k = device_ops.size(); k-- > 0;) {
+    const bool last = k + 1 == device_ops.size() || t.ops[device_ops[k + 1]].step != t.ops[device_ops[k]].step;
+    step_end[k] = last ? k + 1 : step_end[k + 1];
   }
   std::unordered_map<int64_t, std::vector<size_t>> uses;  // chunk -> positions in device_ops
   for (size_t k = 0; k < device_ops.size(); ++k) {
-    for (int64_t c : op_chunks(t.ops[device_ops[k]])) uses[c].push_back(k);
+    for (int64_t c : device_chunks[k]) uses[c].push_back(k);
   }
   auto next_use = [&](int64_t chunk, size_t k) -> uint64_t {
     const auto it = uses.find(chunk);
@@ -162,7 +172,7 @@ SimulateResult simulate_trace(const Trace& t, const SimulateOptions& o) {
       now += op_compute;
       continue;
     }
-    const std::vector<int64_t> pinned = op_chunks(op);
+    const std::vector<int64_t>& pinned = device_chunks[k];
     uint64_t need = 0;
     for (int64_t c : pinned) need += bytes[c];
     if (need > o.device_budget && r.fits) {
@@ -218,13 +228,8 @@ SimulateResult simulate_trace(const Trace& t, const SimulateOptions& o) {
     if (prefetch && h2d_free <= now) {
       std::vector<int64_t> wanted;
       uint64_t want_bytes = 0;
-      const size_t step_end = [&] {
-        size_t e = k + 1;
-        while (e < device_ops.size() && t.ops[device_ops[e]].step == op.step) ++e;
-        return e;
-      }();
-      for (size_t j = k + 1; j < std::min(step_end, k + 5); ++j) {
-        for (int64_t c : op_chunks(t.ops[device_ops[j]])) {
+      for (size_t j = k + 1; j < std::min(step_end[k], k + 1 + kPrefetchLookaheadOps); ++j) {
+        for (int64_t c : device_chunks[j]) {
           if (resident.count(c) != 0 || std::find(wanted.begin(), wanted.end(), c) != wanted.end()) continue;
           wanted.push_back(c);
           want_bytes += bytes[c];

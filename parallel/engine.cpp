@@ -137,8 +137,6 @@ Engine::Engine(torch::nn::Module& module, AdamWConfig optimizer, EngineOptions o
   for (Impl::Cast& c : s.casts) c.tensor.set_data(c.tensor.to(s.compute));
   if (s.data_parallel()) {
     for (size_t i = 0; i < s.families.size(); ++i) s.family_pos[s.families[i]] = i;
-    s.grads_expected.assign(s.families.size(), 0);
-    for (const Impl::Param& p : s.params) s.grads_expected[s.family_pos[p.family]] += 1;
     s.grads_arrived.assign(s.families.size(), 0);
     s.broadcast_parameters();
   }

@@ -104,25 +104,17 @@ void Engine::save(const std::string& dir) {
     if (mid) chunks.push_back(fam.grad);
     return chunks;
   };
-  size_t next = 0;  // position in `order`
   std::vector<offload::CopyTicket> ahead;
   struct Settle {  // read-aheads finish before the save returns or throws
     std::vector<offload::CopyTicket>& t;
     ~Settle() { Engine::Impl::settle(t); }
   } settle_ahead{ahead};
-  for (size_t i = 0; i < s.families.size(); ++i) {
-    const memory::FamilyId f = s.families[i];
-    const memory::ChunkFamily fam = s.mgr->family(f);
-    const ChunkId master = fam.master ? *fam.master : fam.param;
-    s.with_family_on_host(f, members(f), [&] {
-      // While this family is written out, the next one comes to host (from
-      // the device or NVMe) if it fits in the free host bytes.
-      if (i + 1 < s.families.size()) s.read_ahead(members(s.families[i + 1]), ahead, /*only_into_free=*/true);
-      for (; next < order.size() && s.params[order[next]].family == f; ++next) {
-        const Impl::Param& p = s.params[order[next]];
+  s.stream_families(
+      members,
+      [&](const Impl::Param& p, const memory::ChunkFamily& fam) {
         const auto f32 = static_cast<size_t>(p.offset) * sizeof(float);
         const auto n32 = static_cast<size_t>(p.numel) * sizeof(float);
-        outs[0].w->append(static_cast<const char*>(s.mgr->data(master)) + f32, n32);
+        outs[0].w->append(static_cast<const char*>(s.mgr->data(fam.master ? *fam.master : fam.param)) + f32, n32);
         outs[1].w->append(static_cast<const char*>(s.mgr->data(fam.optim_states[0])) + f32, n32);
         outs[2].w->append(static_cast<const char*>(s.mgr->data(fam.optim_states[1])) + f32, n32);
         size_t k = 3;
@@ -130,10 +122,12 @@ void Engine::save(const std::string& dir) {
           outs[k++].w->append(static_cast<const char*>(s.mgr->data(fam.param)) + p.offset * esize, p.numel * esize);
         }
         if (mid) outs[k].w->append(static_cast<const char*>(s.mgr->data(fam.grad)) + p.offset * esize, p.numel * esize);
-      }
-    });
-  }
-  Impl::settle(ahead);
+      },
+      [&](size_t i) {
+        // While family i is written out, the next one comes to host (from
+        // the device or NVMe) if it fits in the free host bytes.
+        if (i + 1 < s.families.size()) s.read_ahead(members(s.families[i + 1]), ahead, /*only_into_free=*/true);
+      });
   for (Out& o : outs) {
     o.w->finish();
     w.add(o.name, o.w->bytes(), o.w->checksum());
@@ -272,46 +266,40 @@ void Engine::load(const std::string& dir) {
   for (const std::string& file : rng_files) STRATA_CHECK(r.has(file), "checkpoint ", r.dir(), " lists no ", file);
 
   // Everything checked: from here on the engine changes.
-  const std::vector<size_t> order = s.params_in_chunk_order();
   const size_t esize = s.elem_size();
   try {
-    size_t next = 0;
-    for (memory::FamilyId f : s.families) {
-      const memory::ChunkFamily fam = s.mgr->family(f);
-      const ChunkId mc = fam.master ? *fam.master : fam.param;
-      std::vector<ChunkId> chunks = {mc, fam.optim_states[0], fam.optim_states[1]};
+    // Every byte of these chunks is about to be overwritten: their payloads
+    // are dropped before pinning, so pinning materialises them on host
+    // instead of reading them back from the device or NVMe.
+    auto fresh_members = [&](memory::FamilyId f) {
+      const memory::ChunkFamily& fam = s.mgr->family(f);
+      std::vector<ChunkId> chunks = {fam.master ? *fam.master : fam.param, fam.optim_states[0], fam.optim_states[1]};
       if (fam.master) chunks.push_back(fam.param);
       if (mid) chunks.push_back(fam.grad);
-      // Every byte of these chunks is about to be overwritten: drop their
-      // payloads, so pinning materialises them on host instead of reading
-      // them back from the device or NVMe.
       for (ChunkId c : chunks) s.mgr->release(c);
-      s.with_family_on_host(f, chunks, [&] {
-        for (; next < order.size() && s.params[order[next]].family == f; ++next) {
-          Impl::Param& p = s.params[order[next]];
-          const auto f32 = static_cast<size_t>(p.offset) * sizeof(float);
-          const auto n32 = static_cast<size_t>(p.numel) * sizeof(float);
-          auto* mp = static_cast<char*>(s.mgr->data(mc)) + f32;
-          master->read(*master->header().find(p.name), 0, mp, n32);
-          m->read(*m->header().find(p.name), 0, static_cast<char*>(s.mgr->data(fam.optim_states[0])) + f32, n32);
-          v->read(*v->header().find(p.name), 0, static_cast<char*>(s.mgr->data(fam.optim_states[1])) + f32, n32);
-          if (fam.master) {
-            char* dst = static_cast<char*>(s.mgr->data(fam.param)) + p.offset * esize;
-            if (param) {
-              param->read(*param->header().find(p.name), 0, dst, p.numel * esize);
-            } else {
-              kernels::cast(mp, DType::kFloat32, dst, s.options.precision, p.numel);
-            }
-          }
-          if (mid) {
-            grad->read(*grad->header().find(p.name), 0, static_cast<char*>(s.mgr->data(fam.grad)) + p.offset * esize,
-                       p.numel * esize);
-          }
-          const Saved& sv = saved.at(p.name);
-          p.steps = sv.steps;
+      return chunks;
+    };
+    auto read = [](const SafetensorsReader& r, const std::string& name, void* dst, size_t bytes) {
+      r.read(*r.header().find(name), 0, dst, bytes);
+    };
+    s.stream_families(fresh_members, [&](Impl::Param& p, const memory::ChunkFamily& fam) {
+      const auto f32 = static_cast<size_t>(p.offset) * sizeof(float);
+      const auto n32 = static_cast<size_t>(p.numel) * sizeof(float);
+      auto* mp = static_cast<char*>(s.mgr->data(fam.master ? *fam.master : fam.param)) + f32;
+      read(*master, p.name, mp, n32);
+      read(*m, p.name, static_cast<char*>(s.mgr->data(fam.optim_states[0])) + f32, n32);
+      read(*v, p.name, static_cast<char*>(s.mgr->data(fam.optim_states[1])) + f32, n32);
+      if (fam.master) {
+        char* dst = static_cast<char*>(s.mgr->data(fam.param)) + p.offset * esize;
+        if (param) {
+          read(*param, p.name, dst, p.numel * esize);
+        } else {
+          kernels::cast(mp, DType::kFloat32, dst, s.options.precision, p.numel);
         }
-      });
-    }
+      }
+      if (mid) read(*grad, p.name, static_cast<char*>(s.mgr->data(fam.grad)) + p.offset * esize, p.numel * esize);
+      p.steps = saved.at(p.name).steps;
+    });
     if (!mid) s.zero_grads();
     for (Impl::Param& p : s.params) p.has_grad = mid && saved.at(p.name).has_grad;
     for (auto& [file, gen] : generators(s.device)) {
@@ -350,17 +338,14 @@ void Engine::export_weights(const std::string& path) {
   const std::string tmp = path + ".tmp-" + std::to_string(::getpid());
   try {
     SafetensorsWriter w(tmp, specs, {{"format", "pt"}});
-    size_t next = 0;
-    for (memory::FamilyId f : s.families) {
-      const memory::ChunkFamily fam = s.mgr->family(f);
-      const ChunkId mc = fam.master ? *fam.master : fam.param;
-      s.with_family_on_host(f, {mc}, [&] {
-        for (; next < order.size() && s.params[order[next]].family == f; ++next) {
-          const Impl::Param& p = s.params[order[next]];
-          w.append(static_cast<const char*>(s.mgr->data(mc)) + p.offset * sizeof(float), p.numel * sizeof(float));
-        }
-      });
-    }
+    auto master_chunk = [&](memory::FamilyId f) {
+      const memory::ChunkFamily& fam = s.mgr->family(f);
+      return std::vector<ChunkId>{fam.master ? *fam.master : fam.param};
+    };
+    s.stream_families(master_chunk, [&](const Impl::Param& p, const memory::ChunkFamily& fam) {
+      w.append(static_cast<const char*>(s.mgr->data(fam.master ? *fam.master : fam.param)) + p.offset * sizeof(float),
+               p.numel * sizeof(float));
+    });
     for (const auto& [name, t] : s.frozen) {
       const torch::Tensor c = t.detach().to(torch::kCPU, torch::kFloat32).contiguous();
       w.append(c.data_ptr(), static_cast<size_t>(c.numel()) * sizeof(float));

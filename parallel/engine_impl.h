@@ -215,7 +215,7 @@ struct Engine::Impl : OpObserver {
   // gradient" flags tells every rank which parameters any rank used, so all
   // update the same ones. Accumulation micro-steps communicate nothing.
   std::shared_ptr<Communicator> comm;  // null: a single process
-  std::vector<int> grads_expected, grads_arrived;  // per family position
+  std::vector<size_t> grads_arrived;  // per family position; complete at params_of_chunk[its param chunk].size()
   std::vector<WorkHandle> reductions;              // per family position; null: not issued yet
   std::unordered_map<memory::FamilyId, size_t> family_pos;
   size_t reduce_cursor = 0;  // families at positions >= this have been issued
@@ -373,14 +373,13 @@ struct Engine::Impl : OpObserver {
   // when all of them fit in the device tier's free bytes and no earlier
   // prefetch is still queued (its bytes are reserved only when it starts): a
   // prefetch must never cause an eviction, or it could move more than LRU.
-  static constexpr int kLookaheadOps = 4;
   void prefetch_upcoming() {
     for (const auto& t : prefetches) {
       if (!offload::CopyEngine::test(t)) return;
     }
     std::vector<ChunkId> wanted;
     uint64_t bytes = 0;
-    for (int64_t k = cursor; k < cursor + kLookaheadOps; ++k) {
+    for (int64_t k = cursor; k < cursor + memory::kPrefetchLookaheadOps; ++k) {
       for (ChunkId c : planner->plan_op(k)) {
         const memory::Chunk& chunk = mgr->chunk(c);
         if (chunk.resident_on(Tier::kDevice) || !chunk.location()) continue;
@@ -595,7 +594,8 @@ struct Engine::Impl : OpObserver {
     collectives += 1;
   }
   void issue_ready_reductions() {
-    while (reduce_cursor > 0 && grads_arrived[reduce_cursor - 1] == grads_expected[reduce_cursor - 1]) {
+    while (reduce_cursor > 0 &&
+           grads_arrived[reduce_cursor - 1] == params_of_chunk.at(mgr->family(families[reduce_cursor - 1]).param).size()) {
       issue_reduction(--reduce_cursor);
     }
   }
@@ -762,16 +762,9 @@ struct Engine::Impl : OpObserver {
   void update_family(size_t index, float grad_scale, const std::function<void()>& pinned_hook) {
     const memory::FamilyId f = families[index];
     const memory::ChunkFamily& fam = mgr->family(f);
-    const std::vector<ChunkId> members = step_members(f);
-    const auto slots = all_slots(fam.param);
-    std::vector<ChunkId> pinned;
-    try {
-      const auto waited_from = Clock::now();
-      for (ChunkId c : members) {
-        pin(c, Tier::kHost, slots);
-        pinned.push_back(c);
-      }
-      wait.optimizer += seconds_since(waited_from);
+    const auto waited_from = Clock::now();
+    with_family_on_host(f, step_members(f), [&] {
+      wait.optimizer += seconds_since(waited_from);  // the pins above waited for the chunks
       pinned_hook();
       char* param = static_cast<char*>(mgr->data(fam.param));
       float* master = static_cast<float*>(mgr->data(fam.master ? *fam.master : fam.param));
@@ -803,11 +796,7 @@ struct Engine::Impl : OpObserver {
         }
         kernels::adam_step(ap, s);
       }
-    } catch (...) {
-      for (ChunkId c : pinned) unpin(c, slots);
-      throw;
-    }
-    for (ChunkId c : pinned) unpin(c, slots);
+    });
   }
 
   // Returns false when the step was skipped for overflow.
@@ -887,6 +876,24 @@ struct Engine::Impl : OpObserver {
       return rank[pa.family] != rank[pb.family] ? rank[pa.family] < rank[pb.family] : pa.offset < pb.offset;
     });
     return order;
+  }
+
+  // Visits the chunk families in step order, each with `chunks(f)` pinned on
+  // host; `each(param, family)` runs for its parameters in chunk order, after
+  // `pinned(i)` for family i. Checkpoint save, load and weight export stream
+  // through it, one family at a time.
+  template <typename Chunks, typename Each>
+  void stream_families(Chunks chunks, Each each, const std::function<void(size_t)>& pinned = nullptr) {
+    const std::vector<size_t> order = params_in_chunk_order();
+    size_t next = 0;
+    for (size_t i = 0; i < families.size(); ++i) {
+      const memory::FamilyId f = families[i];
+      const memory::ChunkFamily& fam = mgr->family(f);
+      with_family_on_host(f, chunks(f), [&] {
+        if (pinned) pinned(i);
+        for (; next < order.size() && params[order[next]].family == f; ++next) each(params[order[next]], fam);
+      });
+    }
   }
 
   // Pins the given chunks of family `f` on host for `fn`, unpinning however it ends.

@@ -251,21 +251,10 @@ class GlooCommunicator final : public Communicator {
   }
 
   WorkHandle send(const void* buf, size_t bytes, int peer, uint32_t tag) override {
-    check_peer(peer);
-    return submit(fmt::format("send of {} bytes to rank {} (tag {})", bytes, peer, tag), bytes, [=](uint32_t) {
-      auto b = context_->createUnboundBuffer(const_cast<void*>(buf), bytes);
-      b->send(peer, tag);
-      STRATA_CHECK(b->waitSend(options_.timeout), "no progress");
-    });
+    return point_to_point(true, const_cast<void*>(buf), bytes, peer, tag);
   }
-
   WorkHandle recv(void* buf, size_t bytes, int peer, uint32_t tag) override {
-    check_peer(peer);
-    return submit(fmt::format("recv of {} bytes from rank {} (tag {})", bytes, peer, tag), bytes, [=](uint32_t) {
-      auto b = context_->createUnboundBuffer(buf, bytes);
-      b->recv(peer, tag);
-      STRATA_CHECK(b->waitRecv(options_.timeout), "no progress");
-    });
+    return point_to_point(false, buf, bytes, peer, tag);
   }
 
   WorkHandle barrier() override {
@@ -288,26 +277,29 @@ class GlooCommunicator final : public Communicator {
     STRATA_CHECK(dtype == DType::kFloat32 || dtype == DType::kFloat16, what,
                  ": Gloo reduces fp32 and fp16; cast bf16 to fp32 first");
   }
-  void check_peer(int peer) const {
+  WorkHandle point_to_point(bool send, void* buf, size_t bytes, int peer, uint32_t tag) {
     STRATA_CHECK(peer >= 0 && peer < size_ && peer != rank_, "peer ", peer, " is not another rank of ", size_);
+    const std::string what =
+        fmt::format("{} of {} bytes {} rank {} (tag {})", send ? "send" : "recv", bytes, send ? "to" : "from", peer, tag);
+    return submit(what, bytes, [=](uint32_t) {
+      auto b = context_->createUnboundBuffer(buf, bytes);
+      if (send) {
+        b->send(peer, tag);
+        STRATA_CHECK(b->waitSend(options_.timeout), "no progress");
+      } else {
+        b->recv(peer, tag);
+        STRATA_CHECK(b->waitRecv(options_.timeout), "no progress");
+      }
+    });
   }
 
   WorkHandle submit(std::string what, size_t elements, std::function<void(uint32_t)> fn) {
     auto op = std::make_unique<Op>();
     op->what = std::move(what);
     std::shared_future<void> f = op->done.get_future().share();
-    if (elements == 0 || size_ == 1) {
+    if (elements == 0) {
       // Nothing to exchange: every rank skips the same operation, so the order holds.
-      if (size_ == 1 && elements > 0) {
-        try {
-          single_rank(op->what, fn);
-          op->done.set_value();
-        } catch (...) {
-          op->done.set_exception(std::current_exception());
-        }
-      } else {
-        op->done.set_value();
-      }
+      op->done.set_value();
       return std::make_shared<GlooWork>(f);
     }
     op->fn = std::move(fn);
@@ -318,9 +310,6 @@ class GlooCommunicator final : public Communicator {
     cv_.notify_one();
     return std::make_shared<GlooWork>(f);
   }
-
-  // One rank: Gloo's algorithms handle a context of size 1, so run them.
-  void single_rank(const std::string&, const std::function<void(uint32_t)>& fn) { fn(next_tag_++); }
 
   void run() {
     for (;;) {

@@ -27,9 +27,7 @@ TEST(Engine, TrainsLikePlainLibTorchAtAQuarterOfModelStateOnDevice) {
   AdamWConfig cfg;
   cfg.lr = 1e-2f;
   cfg.weight_decay = 0.05f;
-  torch::optim::AdamW opt(reference->parameters(),
-                          torch::optim::AdamWOptions(cfg.lr).betas({cfg.beta1, cfg.beta2}).eps(cfg.eps).weight_decay(
-                              cfg.weight_decay));
+  torch::optim::AdamW opt = reference_adamw(*reference, cfg);
   int64_t params = 0;
   for (const auto& p : model->parameters()) params += p.numel();
   EngineOptions o;
@@ -161,7 +159,7 @@ TEST(Engine, AccumulationAndClippingMatchPlainLibTorch) {
   copy_params(*reference, *model);
   AdamWConfig cfg;
   cfg.lr = 1e-2f;
-  torch::optim::AdamW opt(reference->parameters(), torch::optim::AdamWOptions(cfg.lr).weight_decay(cfg.weight_decay));
+  torch::optim::AdamW opt = reference_adamw(*reference, cfg);
   EngineOptions o;
   o.budgets = {32 << 10, 1 << 20, 0};
   o.chunk_elems = 1024;
@@ -200,7 +198,7 @@ TEST(Engine, OptimizerStateOnNvmeTrainsLikePlainLibTorch) {
   copy_params(*reference, *model);
   AdamWConfig cfg;
   cfg.lr = 1e-2f;
-  torch::optim::AdamW opt(reference->parameters(), torch::optim::AdamWOptions(cfg.lr).weight_decay(cfg.weight_decay));
+  torch::optim::AdamW opt = reference_adamw(*reference, cfg);
   int64_t params = 0;
   for (const auto& p : model->parameters()) params += p.numel();
   EngineOptions o;
@@ -452,7 +450,7 @@ TEST(Engine, DivergingOperatorSequenceReplansAndStaysCorrect) {
   copy_params(*reference, *model);
   AdamWConfig cfg;
   cfg.lr = 1e-2f;
-  torch::optim::AdamW opt(reference->parameters(), torch::optim::AdamWOptions(cfg.lr).weight_decay(cfg.weight_decay));
+  torch::optim::AdamW opt = reference_adamw(*reference, cfg);
   EngineOptions o;
   o.budgets = {12 << 10, 1 << 20, 0};
   o.chunk_elems = 1024;
@@ -591,7 +589,7 @@ TEST(Engine, SequenceLengthChangeRetracesUnderDeviceCapacity) {
   copy_params(*reference, *model);
   AdamWConfig cfg;
   cfg.lr = 1e-2f;
-  torch::optim::AdamW opt(reference->parameters(), torch::optim::AdamWOptions(cfg.lr).weight_decay(cfg.weight_decay));
+  torch::optim::AdamW opt = reference_adamw(*reference, cfg);
   EngineOptions o;
   o.budgets = {160 << 10, 4 << 20, 0};
   o.chunk_elems = 128 * 128 + 128;

@@ -10,7 +10,18 @@
 #include <filesystem>
 #include <string>
 
+#include "strata/parallel/engine_options.h"
+
 namespace strata::parallel {
+
+// LibTorch's AdamW with the engine's hyper-parameters: the reference strata
+// training is compared with.
+inline torch::optim::AdamW reference_adamw(torch::nn::Module& m, const AdamWConfig& cfg) {
+  return torch::optim::AdamW(m.parameters(), torch::optim::AdamWOptions(cfg.lr)
+                                                 .betas({cfg.beta1, cfg.beta2})
+                                                 .eps(cfg.eps)
+                                                 .weight_decay(cfg.weight_decay));
+}
 
 inline torch::nn::Sequential mlp() {
   return torch::nn::Sequential(torch::nn::Linear(32, 64), torch::nn::ReLU(), torch::nn::Linear(64, 64),

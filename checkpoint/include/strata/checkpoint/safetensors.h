@@ -16,6 +16,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "strata/checkpoint/files.h"
@@ -35,6 +36,7 @@ size_t dtype_bytes(const std::string& dtype);
 
 struct SafetensorsHeader {
   std::vector<TensorEntry> tensors;  // sorted by offset
+  std::unordered_map<std::string, size_t> index;  // name -> position in `tensors`
   std::map<std::string, std::string> metadata;
   uint64_t data_start = 0;  // 8 + N
   const TensorEntry* find(const std::string& name) const;

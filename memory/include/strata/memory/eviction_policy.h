@@ -62,6 +62,10 @@ class LruPolicy final : public EvictionPolicy {
 // operator sequence diverges from it (another sequence length, another
 // branch), and records a new one; without a plan, or for other tiers than the
 // device, the policy is LRU.
+/// How many operators ahead the auto policy prefetches the chunks of (the
+/// engine's prefetch_upcoming and the simulator's model of it).
+constexpr int kPrefetchLookaheadOps = 4;
+
 class TracePolicy final : public EvictionPolicy {
  public:
   const char* name() const noexcept override { return "auto"; }
