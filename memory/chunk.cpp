@@ -32,6 +32,8 @@ TensorState Chunk::state(size_t slot) const {
 std::string Chunk::describe() const {
   std::string role = chunk_role_name(role_);
   if (role_ == ChunkRole::kOptimState) role += std::to_string(role_index_);
+  if (shard_) role += " shard";
+  if (gathered_) role += " (gathered)";
   return "chunk " + std::to_string(id_) + " (" + role + " " + dtype_name(dtype_) + " of family " +
          std::to_string(family_) + ", " + format_bytes(alloc_bytes()) + ", " +
          (location_ ? std::string("on ") + tier_name(*location_) : std::string("no payload")) + ")";
@@ -42,6 +44,8 @@ std::vector<ChunkId> ChunkFamily::members() const {
   if (master) ids.push_back(*master);
   if (grad != param) ids.push_back(grad);
   ids.insert(ids.end(), optim_states.begin(), optim_states.end());
+  if (grad_shard) ids.push_back(*grad_shard);
+  if (param_shard) ids.push_back(*param_shard);
   return ids;
 }
 

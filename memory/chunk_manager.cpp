@@ -108,6 +108,13 @@ Registration ChunkManager::register_layouts(const std::vector<TensorSpec>& tenso
                                             std::vector<ChunkLayout> layouts, const ChunkSizePlan& plan) {
   STRATA_CHECK(spec.optim_states >= 0 && spec.optim_states <= 8, "optimizer state chunks per family must be in "
                "[0, 8], got ", spec.optim_states);
+  const ShardSpec& sh = spec.shard;
+  const bool sharded = sh.optim || sh.grad || sh.param;
+  STRATA_CHECK(sh.rank >= 0 && sh.rank < world_size_, "shard rank ", sh.rank, " is not a rank of the ", world_size_,
+               " the chunk manager shards over");
+  STRATA_CHECK(!sh.param || sh.grad, "sharding parameters (ZeRO stage 3) needs sharded gradients too");
+  STRATA_CHECK(!sh.grad || sh.optim, "sharding gradients (ZeRO stage 2) needs sharded optimizer state too");
+  STRATA_CHECK(!sharded || spec.separate_grad, "sharded families need a gradient chunk of their own");
   Registration reg;
   reg.plan = plan;
   reg.tensors.resize(tensors.size());
@@ -120,15 +127,32 @@ Registration ChunkManager::register_layouts(const std::vector<TensorSpec>& tenso
       fam.tensor_names.push_back(tensors[slot.tensor_index].name);
       reg.tensors[slot.tensor_index] = TensorPlacement{fam.id, s, slot.offset, slot.numel};
     }
+    // See Note [Sharded chunk families]: one slot covering this rank's shard.
+    std::shared_ptr<const ChunkLayout> shard;
+    if (sharded) {
+      auto l = std::make_shared<ChunkLayout>();
+      const auto [begin, end] = fam.layout->shards.range(sh.rank);
+      l->capacity_elems = end - begin;
+      l->used_elems = std::clamp<int64_t>(fam.layout->used_elems - begin, 0, end - begin);
+      l->dedicated = fam.layout->dedicated;
+      l->slots.push_back(TensorSlot{-1, 0, end - begin});
+      l->shards = ShardLayout{1, end - begin};
+      shard = std::move(l);
+    }
+    const auto layout_for = [&](bool is_shard) { return is_shard ? shard : fam.layout; };
     fam.param = new_chunk(fam.id, fam.layout, ChunkRole::kParam, 0, spec.param_dtype);
     if (spec.param_dtype != DType::kFloat32) {
-      fam.master = new_chunk(fam.id, fam.layout, ChunkRole::kMaster, 0, DType::kFloat32);
+      fam.master = new_chunk(fam.id, layout_for(sh.optim), ChunkRole::kMaster, 0, DType::kFloat32);
     }
-    fam.grad = spec.separate_grad
-                   ? new_chunk(fam.id, fam.layout, ChunkRole::kGrad, 0, spec.grad_dtype.value_or(spec.param_dtype))
-                   : fam.param;
+    const DType grad_dtype = spec.grad_dtype.value_or(spec.param_dtype);
+    fam.grad = spec.separate_grad ? new_chunk(fam.id, fam.layout, ChunkRole::kGrad, 0, grad_dtype) : fam.param;
     for (int i = 0; i < spec.optim_states; ++i) {
-      fam.optim_states.push_back(new_chunk(fam.id, fam.layout, ChunkRole::kOptimState, i, DType::kFloat32));
+      fam.optim_states.push_back(new_chunk(fam.id, layout_for(sh.optim), ChunkRole::kOptimState, i, DType::kFloat32));
+    }
+    if (sh.grad) fam.grad_shard = new_chunk(fam.id, shard, ChunkRole::kGrad, 0, grad_dtype);
+    if (sh.param) {
+      fam.param_shard = new_chunk(fam.id, shard, ChunkRole::kParam, 0, spec.param_dtype);
+      chunks_[fam.param]->gathered_ = true;
     }
     reg.families.push_back(fam.id);
     families_.push_back(std::move(fam));
@@ -145,6 +169,7 @@ ChunkId ChunkManager::new_chunk(FamilyId family, std::shared_ptr<const ChunkLayo
   c->role_index_ = index;
   c->dtype_ = dtype;
   c->states_.assign(layout->slots.size(), TensorState::kFree);
+  c->shard_ = layout->slots.size() == 1 && layout->slots[0].tensor_index < 0;
   c->layout_ = std::move(layout);
   chunks_.push_back(std::move(c));
   return chunks_.back()->id_;
@@ -349,7 +374,7 @@ void ChunkManager::make_room(Tier tier, size_t bytes, const Chunk& requester, Lo
     std::vector<ChunkId> candidates;
     if (tier != Tier::kNvme) {
       for (const auto& c : chunks_) {
-        if (c->location_ == tier && c->movable() && !c->busy_) candidates.push_back(c->id_);
+        if (c->location_ == tier && c->movable() && !c->busy_ && !c->gathered_) candidates.push_back(c->id_);
       }
     }
     if (candidates.empty() && (outgoing_[static_cast<int>(tier)] > 0 || incoming_[static_cast<int>(tier)] > 0)) {
@@ -362,7 +387,7 @@ void ChunkManager::make_room(Tier tier, size_t bytes, const Chunk& requester, Lo
     STRATA_CHECK(!candidates.empty(), tier_name(tier), " tier cannot fit ", format_bytes(bytes), " for ",
                  requester.describe(), ": budget ", format_bytes(s.budget), ", ", format_bytes(s.used),
                  " resident in ", s.chunks, " chunks, none evictable",
-                 tier == Tier::kNvme ? " (nvme is the last tier)" : " (in COMPUTE or being moved)", ". ",
+                 tier == Tier::kNvme ? " (nvme is the last tier)" : " (in COMPUTE, being moved or gathered)", ". ",
                  residency_report_locked(tier), ". Raise the ", tier_name(tier),
                  " budget, lower the chunk size, or release chunks");
     const ChunkId victim_id = policy_->choose_victim(tier, candidates);
@@ -430,6 +455,7 @@ void ChunkManager::transition(ChunkId id, size_t slot, TensorState to) {
   Lock lock(mu_);
   Chunk& c = chunk_locked(id);
   const TensorState from = c.state(slot);
+  const std::string& name = c.shard_ ? std::string("shard") : families_[c.family_].tensor_names[slot];
   if (!is_legal_transition(from, to)) {
     std::string legal;
     for (int s = 0; s < kNumTensorStates; ++s) {
@@ -438,13 +464,13 @@ void ChunkManager::transition(ChunkId id, size_t slot, TensorState to) {
       }
     }
     STRATA_FAIL("illegal tensor state transition ", tensor_state_name(from), " -> ", tensor_state_name(to),
-                " for tensor '", families_[c.family_].tensor_names[slot], "' (slot ", slot, ") of ",
+                " for tensor '", name, "' (slot ", slot, ") of ",
                 c.describe(), "; from ", tensor_state_name(from), " only ", legal, " may follow");
   }
   if (to == TensorState::kCompute) {
     wait_idle(c, lock);  // never compute on a half-moved chunk
     STRATA_CHECK(c.location_ == Tier::kDevice || c.location_ == Tier::kHost, "tensor '",
-                 families_[c.family_].tensor_names[slot], "' cannot enter COMPUTE: ", c.describe(),
+                 name, "' cannot enter COMPUTE: ", c.describe(),
                  " is not resident on device or host; access() it first");
     ++c.compute_count_;
   }
@@ -525,7 +551,7 @@ uint64_t ChunkManager::set_budget(Tier tier, uint64_t bytes) {
   while (s.used > bytes) {
     std::vector<ChunkId> candidates;
     for (const auto& c : chunks_) {
-      if (c->location_ == tier && c->movable() && !c->busy_) candidates.push_back(c->id_);
+      if (c->location_ == tier && c->movable() && !c->busy_ && !c->gathered_) candidates.push_back(c->id_);
     }
     if (candidates.empty()) break;
     Chunk& victim = chunk_locked(policy_->choose_victim(tier, candidates));

@@ -95,6 +95,69 @@ TEST(ChunkManager, Fp32FamilyHasNoMasterAndCanReuseTheParamChunkForGrads) {
   EXPECT_EQ(fam.members().size(), 2u);
 }
 
+TEST(ChunkManager, ShardedFamiliesHoldOneRanksShard) {
+  // ZeRO stage 3 on rank 2 of 4: optimizer state, master, a gradient shard
+  // and a parameter shard are a quarter of the chunk; the parameter chunk is
+  // gathered; the full gradient chunk stays for backward.
+  ChunkManagerOptions o = options(1 << 20, 1 << 20);
+  o.world_size = 4;
+  ChunkManager mgr(std::move(o));
+  FamilySpec spec;
+  spec.param_dtype = DType::kBFloat16;
+  spec.optim_states = 2;
+  spec.shard = ShardSpec{2, true, true, true};
+  const Registration reg = mgr.register_tensors({{"a", 300}, {"b", 350}}, spec, 1000);
+  ASSERT_EQ(reg.families.size(), 1u);
+  const ChunkFamily& fam = mgr.family(reg.families[0]);
+  ASSERT_TRUE(fam.grad_shard && fam.param_shard && fam.master);
+  EXPECT_EQ(fam.members().size(), 7u);
+  EXPECT_EQ(mgr.chunk(fam.param).capacity_elems(), 1000);
+  EXPECT_TRUE(mgr.chunk(fam.param).gathered());
+  EXPECT_FALSE(mgr.chunk(fam.param).shard());
+  EXPECT_EQ(mgr.chunk(fam.grad).capacity_elems(), 1000);
+  for (ChunkId id : {*fam.master, fam.optim_states[0], fam.optim_states[1], *fam.grad_shard, *fam.param_shard}) {
+    const Chunk& c = mgr.chunk(id);
+    EXPECT_TRUE(c.shard()) << c.describe();
+    EXPECT_EQ(c.capacity_elems(), 250);
+    EXPECT_EQ(c.layout().used_elems, 150) << "rank 2's shard [500, 750) holds elements up to 650";
+    EXPECT_EQ(c.num_tensors(), 1u);
+  }
+  EXPECT_EQ(mgr.chunk(*fam.param_shard).dtype(), DType::kBFloat16);
+  EXPECT_EQ(mgr.chunk(*fam.master).dtype(), DType::kFloat32);
+  EXPECT_NE(mgr.chunk(*fam.param_shard).describe().find("shard"), std::string::npos);
+  // Stage 3 without sharded gradients, and a rank outside the world, are refused.
+  spec.shard = ShardSpec{0, true, false, true};
+  EXPECT_THROW(mgr.register_tensors({{"c", 10}}, spec, 1000), Error);
+  spec.shard = ShardSpec{4, true, false, false};
+  EXPECT_THROW(mgr.register_tensors({{"c", 10}}, spec, 1000), Error);
+}
+
+TEST(ChunkManager, GatheredChunksAreNeverEvicted) {
+  ChunkManagerOptions o = options(2 * kPage, 8 * kPage);
+  o.world_size = 2;
+  ChunkManager mgr(std::move(o));
+  FamilySpec spec;
+  spec.shard = ShardSpec{0, true, true, true};
+  const Registration reg = mgr.register_tensors({{"a", kElems}, {"b", kElems}, {"c", kElems}}, spec, kElems);
+  const ChunkId a = mgr.family(reg.families[0]).param, b = mgr.family(reg.families[1]).param;
+  const ChunkId c = mgr.family(reg.families[2]).param;
+  mgr.access(a, Tier::kDevice);
+  mgr.access(b, Tier::kDevice);
+  // The device is full of gathered chunks: a third is refused, naming them, and nothing moved.
+  try {
+    mgr.access(c, Tier::kDevice);
+    FAIL() << "a gathered chunk was evicted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("gathered"), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(mgr.chunk(a).resident_on(Tier::kDevice));
+  EXPECT_TRUE(mgr.chunk(b).resident_on(Tier::kDevice));
+  EXPECT_EQ(mgr.tier_stats(Tier::kDevice).evictions, 0u);
+  mgr.release(a);
+  mgr.access(c, Tier::kDevice);
+  EXPECT_LE(mgr.tier_stats(Tier::kDevice).peak, 2 * kPage);
+}
+
 TEST(ChunkManager, AutoChunkSizeUsesTheSearch) {
   ChunkManager mgr(options(1 << 20, 1 << 20));
   const Registration reg =

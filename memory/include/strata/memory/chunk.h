@@ -40,6 +40,27 @@ struct TensorSpec {
   int64_t numel = 0;
 };
 
+// Note [Sharded chunk families]
+// Under ZeRO each of N ranks keeps 1/N of some of a family's chunks: the
+// elements [rank * S, (rank + 1) * S) of the family layout, S =
+// capacity / N (ShardLayout). A shard chunk has a layout of its own with one
+// slot covering the whole shard. Stage 1 shards the optimizer state and the
+// fp32 master (their chunks are shard chunks); stage 2 adds a gradient shard
+// chunk beside the full gradient chunk, which then only collects gradients
+// during backward until they are reduce-scattered into the shard; stage 3
+// adds a parameter shard chunk, and the full parameter chunk becomes
+// "gathered": a transient copy assembled from every rank's shard for the
+// operators that use it. A gathered chunk is never evicted (its payload is
+// not state; moving it down a tier would only waste bandwidth, and its
+// lifetime must follow the same operator sequence on every rank): its owner
+// releases it.
+struct ShardSpec {
+  int rank = 0;        // this rank; the manager's world_size is N
+  bool optim = false;  // optimizer state and master weights (stage >= 1)
+  bool grad = false;   // a gradient shard chunk (stage >= 2)
+  bool param = false;  // a parameter shard chunk; the parameter chunk is gathered (stage 3)
+};
+
 struct FamilySpec {
   DType param_dtype = DType::kFloat32;
   /// fp32 optimizer-state chunks per family: 2 for Adam/AdamW, 1 for SGD
@@ -49,6 +70,8 @@ struct FamilySpec {
   bool separate_grad = true;
   /// Gradient dtype; unset means the parameter dtype.
   std::optional<DType> grad_dtype;
+  /// ZeRO sharding, see Note [Sharded chunk families].
+  ShardSpec shard;
 };
 
 class Chunk {
@@ -71,6 +94,10 @@ class Chunk {
   size_t num_tensors() const noexcept { return states_.size(); }
   TensorState state(size_t slot) const;
   int compute_count() const noexcept { return compute_count_; }
+  /// Holds one rank's shard of the family layout (Note [Sharded chunk families]).
+  bool shard() const noexcept { return shard_; }
+  /// A transient full copy gathered from shards: never evicted, released by its owner.
+  bool gathered() const noexcept { return gathered_; }
   /// False while any tensor is in COMPUTE.
   bool movable() const noexcept { return compute_count_ == 0; }
 
@@ -90,6 +117,8 @@ class Chunk {
   std::vector<TensorState> states_;
   int compute_count_ = 0;
   bool busy_ = false;  // part of the move in progress: never an eviction candidate
+  bool shard_ = false;
+  bool gathered_ = false;
 };
 
 struct ChunkFamily {
@@ -100,6 +129,10 @@ struct ChunkFamily {
   std::optional<ChunkId> master;
   ChunkId grad = -1;  // == param when the gradient reuses the parameter chunk
   std::vector<ChunkId> optim_states;
+  /// ZeRO (Note [Sharded chunk families]): this rank's shard of the gradient
+  /// (stage >= 2) and of the parameters (stage 3).
+  std::optional<ChunkId> grad_shard;
+  std::optional<ChunkId> param_shard;
 
   /// Every distinct chunk of the family.
   std::vector<ChunkId> members() const;
