@@ -7,12 +7,16 @@
 //       [--precision fp32|bf16|fp16] [--grad-accumulation N] [--clip-norm 1]
 //       [--nvme-optim-fraction F] [--chunk-elems N] [--lr 3e-3] [--baseline]
 //       [--save-every N] [--checkpoint-dir DIR] [--resume DIR] [--export-weights FILE]
+//       [--zero-stage 0-3]
 //
 // --save-every N saves the full training state to --checkpoint-dir every N
 // steps (atomically: the directory always holds one complete checkpoint);
 // --resume DIR loads one and continues from its step, with the same data
 // order, so an interrupted run resumed finishes as the uninterrupted one.
 // --export-weights writes the trained weights as safetensors at the end.
+// Under `strata run -n N` it trains data parallel, each rank on batches of its
+// own, with --zero-stage sharding optimizer state (1), gradients (2) and
+// parameters (3) over the ranks.
 //
 // The default corpus is Debian's fortunes-min package (/usr/share/games/fortunes),
 // read as bytes. Budgets default to 1/4 (device), 1/2 (host) and 2x (nvme) of
@@ -80,6 +84,9 @@ int run(int argc, char** argv) {
   app.add_option("--nvme-optim-fraction", opts.nvme_optim_fraction,
                  "fraction of chunk families whose optimizer state lives on NVMe; -1: auto");
   app.add_option("--chunk-elems", opts.chunk_elems, "elements per chunk; 0: auto");
+  app.add_option("--zero-stage", opts.zero_stage,
+                 "under strata run -n N: 0 data parallel, 1 shard optimizer state, 2 and gradients, 3 and parameters")
+      ->check(CLI::Range(0, 3));
   int save_every = 0;
   std::string checkpoint_dir = "gpt-checkpoint", resume, export_weights;
   app.add_option("--save-every", save_every, "save a checkpoint every N steps to --checkpoint-dir; 0: never")
@@ -125,7 +132,8 @@ int run(int argc, char** argv) {
     return 0;
   }
   // Under `strata run -n N` (or torchrun): data parallel over Gloo, each rank
-  // on batches of its own; rank 0 saves, prints the summary and exports.
+  // on batches of its own. Saving and exporting are collective (every rank
+  // calls them, rank 0 writes).
   std::shared_ptr<strata::parallel::Communicator> comm;
   const strata::parallel::Rendezvous rv = strata::parallel::Rendezvous::from_env();
   if (rv.world_size > 1) {
@@ -148,9 +156,7 @@ int run(int argc, char** argv) {
   if (!resume.empty()) {
     engine->load(resume);
     first_step = static_cast<int>(engine->micro_steps()) + 1;
-    fmt::print("resumed from {} at step {}\n", resume, first_step);
-    // The checkpoint holds rank 0's RNG state; the other ranks need batches of their own.
-    if (comm) torch::manual_seed(1 + rv.rank + 7919 * first_step);
+    fmt::print("resumed from {} at step {}\n", resume, first_step);  // each rank with its own RNG state
   }
   const bool tty = isatty(STDOUT_FILENO);
   const auto start = std::chrono::steady_clock::now();
@@ -162,7 +168,7 @@ int run(int argc, char** argv) {
     last = r.loss;
     if (save_every > 0 && step % save_every == 0) {
       const auto t0 = std::chrono::steady_clock::now();
-      if (lead) engine->save(checkpoint_dir);
+      engine->save(checkpoint_dir);
       const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       if (!tty) fmt::print("saved step {} to {} in {:.2f} s\n", step, checkpoint_dir, secs);
     }
@@ -188,11 +194,15 @@ int run(int argc, char** argv) {
     fmt::print("{:<7} peak {} of budget {}\n", mem::tier_name(t), strata::format_bytes(s.peak),
                strata::format_bytes(s.budget));
   }
+  uint64_t held = 0;
+  for (mem::Tier t : {mem::Tier::kDevice, mem::Tier::kHost, mem::Tier::kNvme}) held += engine->chunks().tier_stats(t).used;
+  fmt::print("model state held on this rank after the last step (ZeRO stage {}): {}\n", engine->zero_stage(),
+             strata::format_bytes(held));
   fmt::print("loss {:.3f} -> {:.3f} over {} steps; last step's loss {:.6f}\n", first_loss, avg,
              steps - first_step + 1, last);
-  if (!export_weights.empty() && lead) {
+  if (!export_weights.empty()) {
     engine->export_weights(export_weights);
-    fmt::print("weights written to {} (safetensors)\n", export_weights);
+    if (lead) fmt::print("weights written to {} (safetensors)\n", export_weights);
   }
   // Sample a line from the trained model.
   torch::Tensor idx = corpus.slice(0, 0, 8).unsqueeze(0);

@@ -1,6 +1,7 @@
 #include "strata/parallel/engine.h"
 
 #include "engine_impl.h"
+#include "strata/parallel/tensor_collectives.h"
 
 namespace strata::parallel {
 
@@ -21,8 +22,11 @@ Engine::Engine(torch::nn::Module& module, AdamWConfig optimizer, EngineOptions o
   s.options = options;
   s.compute = scalar_type_of(options.precision);
   s.scale = options.precision == DType::kFloat16 ? options.loss_scale.initial : 1.0;
+  s.stage = s.data_parallel() ? options.zero_stage : 0;
+  s.rank = s.comm ? s.comm->rank() : 0;
   memory::ChunkManagerOptions mo;
   mo.budgets = options.budgets;
+  mo.world_size = s.world();
   if (options.budgets.nvme > 0) {
     offload::NvmeStoreOptions no;
     no.directory = options.nvme_dir;
@@ -75,6 +79,7 @@ Engine::Engine(torch::nn::Module& module, AdamWConfig optimizer, EngineOptions o
   memory::FamilySpec spec;
   spec.param_dtype = options.precision;
   spec.optim_states = 2;
+  spec.shard = memory::ShardSpec{s.rank, s.stage >= 1, s.stage >= 2, s.stage >= 3};
   memory::Registration reg;
   if (options.chunk_elems > 0) {
     reg = s.mgr->register_tensors(specs, spec, options.chunk_elems);
@@ -103,9 +108,19 @@ Engine::Engine(torch::nn::Module& module, AdamWConfig optimizer, EngineOptions o
       [&s](const memory::Chunk& c, std::optional<Tier> tier, void* ptr) { s.on_placed(c, tier, ptr); });
 
   // Copy each parameter into its slots (on host): the master in fp32, the
-  // parameter chunk in the compute precision. Then give the tensor a storage
+  // parameter chunk in the compute precision, each whole or this rank's
+  // shard of it (Note [ZeRO over chunks]). Data parallel: rank 0's values,
+  // broadcast first, so replicas start equal. Then give the tensor a storage
   // that follows the chunk; the original storage is released.
   torch::NoGradGuard no_grad;
+  std::vector<torch::Tensor> values;
+  for (const Impl::Param& p : s.params) values.push_back(p.tensor.detach().to(torch::kCPU).contiguous());
+  if (s.data_parallel()) {
+    std::vector<WorkHandle> works;
+    for (torch::Tensor& v : values) works.push_back(broadcast(*s.comm, v, 0));
+    for (auto& w : works) w->wait();
+    s.collectives += static_cast<int64_t>(works.size());
+  }
   for (memory::FamilyId f : s.families) {
     const memory::ChunkFamily& fam = s.mgr->family(f);
     for (ChunkId c : fam.members()) {
@@ -116,17 +131,21 @@ Engine::Engine(torch::nn::Module& module, AdamWConfig optimizer, EngineOptions o
   for (size_t i = 0; i < s.params.size(); ++i) {
     Impl::Param& p = s.params[i];
     const memory::ChunkFamily& fam = s.mgr->family(p.family);
-    const torch::Tensor src = p.tensor.detach().to(torch::kCPU).contiguous();
-    s.pin(fam.param, Tier::kHost, {p.slot});
-    kernels::cast(src.data_ptr<float>(), DType::kFloat32, static_cast<char*>(s.mgr->data(fam.param)) + p.offset * esize,
-                  options.precision, p.numel);
-    s.unpin(fam.param, {p.slot});
-    if (fam.master) {
-      s.pin(*fam.master, Tier::kHost, {p.slot});
-      std::memcpy(static_cast<float*>(s.mgr->data(*fam.master)) + p.offset, src.data_ptr<float>(),
-                  p.numel * sizeof(float));
-      s.unpin(*fam.master, {p.slot});
+    const float* src = values[i].data_ptr<float>();
+    const auto [begin, end] = s.owned(p);
+    const auto copy_into = [&](ChunkId c, int64_t from, int64_t to, DType dtype) {
+      if (from >= to) return;
+      const std::vector<size_t> slots = s.mgr->chunk(c).shard() ? std::vector<size_t>{0} : std::vector<size_t>{p.slot};
+      s.pin(c, Tier::kHost, slots);
+      kernels::cast(src + (from - p.offset), DType::kFloat32, s.at(c, from), dtype, to - from);
+      s.unpin(c, slots);
+    };
+    if (fam.param_shard) {
+      copy_into(*fam.param_shard, begin, end, options.precision);  // the full chunk is gathered when used
+    } else {
+      copy_into(fam.param, p.offset, p.offset + p.numel, options.precision);
     }
+    if (fam.master) copy_into(*fam.master, begin, end, DType::kFloat32);
     p.storage = c10::make_intrusive<c10::StorageImpl>(c10::StorageImpl::use_byte_size_t(),
                                                       static_cast<size_t>(p.numel) * esize,
                                                       c10::DataPtr(nullptr, s.device), nullptr, false);
@@ -138,7 +157,12 @@ Engine::Engine(torch::nn::Module& module, AdamWConfig optimizer, EngineOptions o
   if (s.data_parallel()) {
     for (size_t i = 0; i < s.families.size(); ++i) s.family_pos[s.families[i]] = i;
     s.grads_arrived.assign(s.families.size(), 0);
-    s.broadcast_parameters();
+  }
+  values.clear();
+  if (s.stage == 3) {
+    std::vector<int> all(static_cast<size_t>(s.world()));
+    for (int r = 0; r < s.world(); ++r) all[r] = r;
+    s.gather_comm = s.comm->split(all, "zero3-parameters");
   }
   s.hook = std::make_unique<OpHook>(s);
   if (!options.trace_path.empty()) s.start_trace();
@@ -166,6 +190,7 @@ StepResult Engine::train_step(const std::function<torch::Tensor()>& loss_fn) {
   r.loss_scale = s.scale;
   s.begin_traced_step();
   s.begin_plan_step();
+  if (s.stage == 3) s.begin_gather_step();
   {
     OpHook::Scope scope(*s.hook);
     torch::Tensor loss = loss_fn();
@@ -182,6 +207,10 @@ StepResult Engine::train_step(const std::function<torch::Tensor()>& loss_fn) {
     }
   }
   s.end_plan_step();
+  if (s.stage == 3) {
+    s.end_gather_step();
+    s.release_gathered();
+  }
   if (s.data_parallel() && s.boundary) s.finish_reductions();
   if (++s.micro_steps % s.options.grad_accumulation == 0) {
     if (s.tracing()) {
@@ -200,8 +229,9 @@ torch::Tensor Engine::run(const std::function<torch::Tensor()>& fn) {
   if (impl_->planner != nullptr) impl_->planner->set_cursor(-1);  // not the planned sequence: LRU
   OpHook::Scope scope(*impl_->hook);
   torch::NoGradGuard no_grad;
-  torch::Tensor out = fn();
-  return out.clone();  // owned: it must not alias a parameter chunk
+  torch::Tensor out = fn().clone();  // owned: it must not alias a parameter chunk
+  if (impl_->stage == 3) impl_->release_gathered();
+  return out;
 }
 
 void Engine::zero_grad() {
@@ -215,6 +245,8 @@ int64_t Engine::skipped_steps() const { return impl_->skipped; }
 int64_t Engine::micro_steps() const { return impl_->micro_steps; }
 int64_t Engine::replans() const { return impl_->replans; }
 int64_t Engine::collectives() const { return impl_->collectives; }
+int64_t Engine::parameter_gathers() const { return impl_->gathers; }
+int Engine::zero_stage() const { return impl_->stage; }
 Engine::DataWait Engine::data_wait() const { return impl_->wait; }
 uint64_t Engine::lowest_device_budget() const {
   return impl_->capacity_floor == UINT64_MAX ? impl_->options.budgets.device : impl_->capacity_floor;

@@ -22,6 +22,19 @@
 // by family. If reading fails after that point (the disk fails mid-load), the
 // engine's state is a mix; it says so, and train_step refuses until a load
 // succeeds.
+//
+// Note [Checkpoints across ranks]
+// Data parallel, save() and export_weights() are collective: every rank calls
+// them, and rank 0 writes the one checkpoint, in the same format as a single
+// process's. Under ZeRO each family's sharded chunks are all-gathered, one
+// family at a time, so rank 0 writes whole tensors and no rank holds more than
+// a family's chunks beyond its shards. Every rank's RNG state is kept
+// (rng_cpu.bin is rank 0's, rng_cpu.rank<R>.bin rank R's). load() is called by
+// every rank, each reading what it owns (its shards' ranges of each tensor),
+// so a checkpoint loads at any ZeRO stage and any number of ranks, and each
+// rank gets its own RNG state back when the world size matches. Gradients
+// mid-accumulation are rank-local, so a data-parallel save must be on an
+// accumulation boundary.
 #include <fmt/format.h>
 
 #include <nlohmann/json.hpp>
@@ -61,24 +74,53 @@ torch::ScalarType torch_dtype(const std::string& st) {
   STRATA_FAIL("dtype ", st, " is not a floating type a parameter can take");
 }
 
-// The RNG states of the CPU generator and, on a GPU, the device's.
+// The RNG states of the CPU generator and, on a GPU, the device's, by file
+// name stem ("rng_cpu": rng_cpu.bin for rank 0, rng_cpu.rank<R>.bin for rank R).
 std::vector<std::pair<std::string, at::Generator>> generators(const torch::Device& device) {
-  std::vector<std::pair<std::string, at::Generator>> g = {{"rng_cpu.bin", at::detail::getDefaultCPUGenerator()}};
-  if (device.is_cuda()) g.emplace_back("rng_cuda.bin", at::globalContext().defaultGenerator(device));
+  std::vector<std::pair<std::string, at::Generator>> g = {{"rng_cpu", at::detail::getDefaultCPUGenerator()}};
+  if (device.is_cuda()) g.emplace_back("rng_cuda", at::globalContext().defaultGenerator(device));
   return g;
+}
+
+std::string rng_file(const std::string& stem, int rank) {
+  return rank == 0 ? stem + ".bin" : fmt::format("{}.rank{}.bin", stem, rank);
+}
+
+// Every rank's `mine`, in rank order (sizes may differ).
+std::vector<std::string> all_gather_bytes(Communicator& comm, const std::string& mine) {
+  const int n = comm.world_size();
+  const double size = static_cast<double>(mine.size());
+  std::vector<double> sizes(static_cast<size_t>(n));
+  comm.all_gather(&size, sizes.data(), sizeof(double) / sizeof(float), DType::kFloat32)->wait();
+  size_t most = 0;
+  for (double v : sizes) most = std::max(most, static_cast<size_t>(v));
+  const size_t words = (most + sizeof(float) - 1) / sizeof(float);
+  std::vector<float> in(words), out(words * static_cast<size_t>(n));
+  std::memcpy(in.data(), mine.data(), mine.size());
+  comm.all_gather(in.data(), out.data(), words, DType::kFloat32)->wait();
+  std::vector<std::string> all;
+  for (int r = 0; r < n; ++r) {
+    const char* at = reinterpret_cast<const char*>(out.data() + static_cast<size_t>(r) * words);
+    all.emplace_back(at, static_cast<size_t>(sizes[r]));
+  }
+  return all;
 }
 
 }  // namespace
 
-// See Note [Saving a checkpoint].
+// See Note [Saving a checkpoint] and Note [Checkpoints across ranks].
 void Engine::save(const std::string& dir) {
   Impl& s = *impl_;
   STRATA_CHECK(s.poisoned.empty(), s.poisoned);
   const std::vector<size_t> order = s.params_in_chunk_order();
   const bool mid = s.micro_steps % s.options.grad_accumulation != 0;
+  STRATA_CHECK(!mid || !s.data_parallel(), "save() after micro-step ", s.micro_steps % s.options.grad_accumulation,
+               " of ", s.options.grad_accumulation, ": data parallel gradients mid-accumulation are each rank's own; "
+               "save on an accumulation boundary");
   const bool mixed = s.options.precision != DType::kFloat32;
-  const size_t esize = s.elem_size();
-  checkpoint::CheckpointWriter w(dir, kKind);
+  const bool lead = s.rank == 0;
+  std::optional<checkpoint::CheckpointWriter> w;
+  if (lead) w.emplace(dir, kKind);
 
   std::vector<SafetensorsWriter::Spec> fp32, compute;
   for (size_t i : order) {
@@ -90,20 +132,32 @@ void Engine::save(const std::string& dir) {
     std::unique_ptr<SafetensorsWriter> w;
   };
   std::vector<Out> outs;
-  outs.push_back({"master.safetensors", std::make_unique<SafetensorsWriter>(w.path("master.safetensors"), fp32,
-                                                                             std::map<std::string, std::string>{{"format", "pt"}})});
-  outs.push_back({"exp_avg.safetensors", std::make_unique<SafetensorsWriter>(w.path("exp_avg.safetensors"), fp32)});
-  outs.push_back({"exp_avg_sq.safetensors", std::make_unique<SafetensorsWriter>(w.path("exp_avg_sq.safetensors"), fp32)});
-  if (mixed) outs.push_back({"param.safetensors", std::make_unique<SafetensorsWriter>(w.path("param.safetensors"), compute)});
-  if (mid) outs.push_back({"grad.safetensors", std::make_unique<SafetensorsWriter>(w.path("grad.safetensors"), compute)});
+  if (lead) {
+    outs.push_back({"master.safetensors", std::make_unique<SafetensorsWriter>(
+                                              w->path("master.safetensors"), fp32,
+                                              std::map<std::string, std::string>{{"format", "pt"}})});
+    outs.push_back({"exp_avg.safetensors", std::make_unique<SafetensorsWriter>(w->path("exp_avg.safetensors"), fp32)});
+    outs.push_back(
+        {"exp_avg_sq.safetensors", std::make_unique<SafetensorsWriter>(w->path("exp_avg_sq.safetensors"), fp32)});
+    if (mixed) {
+      outs.push_back({"param.safetensors", std::make_unique<SafetensorsWriter>(w->path("param.safetensors"), compute)});
+    }
+    if (mid) outs.push_back({"grad.safetensors", std::make_unique<SafetensorsWriter>(w->path("grad.safetensors"), compute)});
+  }
 
+  // What is written per family: the fp32 values, exp_avg, exp_avg_sq, the
+  // compute copy (mixed precision) and gradients (mid-accumulation).
   auto members = [&](memory::FamilyId f) {
     const memory::ChunkFamily& fam = s.mgr->family(f);
-    std::vector<ChunkId> chunks = {fam.master ? *fam.master : fam.param, fam.optim_states[0], fam.optim_states[1]};
-    if (mixed) chunks.push_back(fam.param);
+    std::vector<ChunkId> chunks = {fam.master ? *fam.master : s.step_param(f), fam.optim_states[0],
+                                   fam.optim_states[1]};
+    if (mixed) chunks.push_back(s.step_param(f));
     if (mid) chunks.push_back(fam.grad);
     return chunks;
   };
+  // Sharded members are gathered whole while their family is pinned.
+  std::vector<std::vector<char>> whole;
+  std::vector<const char*> base;
   std::vector<offload::CopyTicket> ahead;
   struct Settle {  // read-aheads finish before the save returns or throws
     std::vector<offload::CopyTicket>& t;
@@ -111,27 +165,34 @@ void Engine::save(const std::string& dir) {
   } settle_ahead{ahead};
   s.stream_families(
       members,
-      [&](const Impl::Param& p, const memory::ChunkFamily& fam) {
-        const auto f32 = static_cast<size_t>(p.offset) * sizeof(float);
-        const auto n32 = static_cast<size_t>(p.numel) * sizeof(float);
-        outs[0].w->append(static_cast<const char*>(s.mgr->data(fam.master ? *fam.master : fam.param)) + f32, n32);
-        outs[1].w->append(static_cast<const char*>(s.mgr->data(fam.optim_states[0])) + f32, n32);
-        outs[2].w->append(static_cast<const char*>(s.mgr->data(fam.optim_states[1])) + f32, n32);
-        size_t k = 3;
-        if (mixed) {
-          outs[k++].w->append(static_cast<const char*>(s.mgr->data(fam.param)) + p.offset * esize, p.numel * esize);
+      [&](const Impl::Param& p, const memory::ChunkFamily&) {
+        if (!lead) return;
+        for (size_t k = 0; k < outs.size(); ++k) {
+          const size_t esize = k < 3 ? sizeof(float) : s.elem_size();
+          outs[k].w->append(base[k] + static_cast<size_t>(p.offset) * esize, static_cast<size_t>(p.numel) * esize);
         }
-        if (mid) outs[k].w->append(static_cast<const char*>(s.mgr->data(fam.grad)) + p.offset * esize, p.numel * esize);
       },
       [&](size_t i) {
+        const memory::FamilyId f = s.families[i];
+        const std::vector<ChunkId> chunks = members(f);
+        whole.resize(chunks.size());
+        base.assign(chunks.size(), nullptr);
+        for (size_t k = 0; k < chunks.size(); ++k) {
+          const memory::Chunk& c = s.mgr->chunk(chunks[k]);
+          if (!c.shard()) {
+            base[k] = static_cast<const char*>(s.mgr->data(chunks[k]));
+            continue;
+          }
+          const size_t esize = dtype_size(c.dtype());
+          whole[k].resize(static_cast<size_t>(s.mgr->family(f).layout->capacity_elems) * esize);
+          s.comm->all_gather(s.mgr->data(chunks[k]), whole[k].data(), static_cast<size_t>(c.capacity_elems()),
+                             c.dtype())->wait();
+          base[k] = whole[k].data();
+        }
         // While family i is written out, the next one comes to host (from
         // the device or NVMe) if it fits in the free host bytes.
         if (i + 1 < s.families.size()) s.read_ahead(members(s.families[i + 1]), ahead, /*only_into_free=*/true);
       });
-  for (Out& o : outs) {
-    o.w->finish();
-    w.add(o.name, o.w->bytes(), o.w->checksum());
-  }
 
   json params = json::array();
   for (size_t i : order) {
@@ -139,31 +200,47 @@ void Engine::save(const std::string& dir) {
     params.push_back({{"name", p.name}, {"shape", shape_of(p.tensor)}, {"steps", p.steps}, {"has_grad", p.has_grad}});
   }
   json rng = json::array();
-  for (auto& [file, gen] : generators(s.device)) {
+  std::vector<std::pair<std::string, std::string>> rng_states;  // file, bytes
+  for (auto& [stem, gen] : generators(s.device)) {
     torch::Tensor state;
     {
       std::lock_guard<std::mutex> lock(gen.mutex());
       state = gen.get_state().contiguous();
     }
-    checkpoint::FileWriter fw(w.path(file));
-    fw.write(state.data_ptr(), static_cast<size_t>(state.numel()));
-    fw.finish();
-    w.add(file, fw.bytes(), fw.checksum());
-    rng.push_back(file);
+    const std::string mine(static_cast<const char*>(state.data_ptr()), static_cast<size_t>(state.numel()));
+    const std::vector<std::string> all = s.data_parallel() ? all_gather_bytes(*s.comm, mine) : std::vector{mine};
+    for (size_t r = 0; r < all.size(); ++r) rng_states.emplace_back(rng_file(stem, static_cast<int>(r)), all[r]);
   }
-  const json state = {{"format", "strata-engine-state"},
-                      {"precision", dtype_name(s.options.precision)},
-                      {"grad_accumulation", s.options.grad_accumulation},
-                      {"micro_steps", s.micro_steps},
-                      {"loss_scale", s.scale},
-                      {"clean_steps", s.clean_steps},
-                      {"skipped_steps", s.skipped},
-                      {"adamw", {{"lr", s.opt.lr}, {"beta1", s.opt.beta1}, {"beta2", s.opt.beta2}, {"eps", s.opt.eps},
-                                 {"weight_decay", s.opt.weight_decay}}},
-                      {"rng", rng},
-                      {"parameters", params}};
-  w.write_text("state.json", state.dump(1) + "\n");
-  w.commit();
+  if (lead) {
+    for (Out& o : outs) {
+      o.w->finish();
+      w->add(o.name, o.w->bytes(), o.w->checksum());
+    }
+    for (const auto& [file, bytes] : rng_states) {
+      checkpoint::FileWriter fw(w->path(file));
+      fw.write(bytes.data(), bytes.size());
+      fw.finish();
+      w->add(file, fw.bytes(), fw.checksum());
+      rng.push_back(file);
+    }
+    const json state = {{"format", "strata-engine-state"},
+                        {"precision", dtype_name(s.options.precision)},
+                        {"grad_accumulation", s.options.grad_accumulation},
+                        {"micro_steps", s.micro_steps},
+                        {"loss_scale", s.scale},
+                        {"clean_steps", s.clean_steps},
+                        {"skipped_steps", s.skipped},
+                        {"world_size", s.world()},
+                        {"zero_stage", s.stage},
+                        {"adamw", {{"lr", s.opt.lr}, {"beta1", s.opt.beta1}, {"beta2", s.opt.beta2},
+                                   {"eps", s.opt.eps}, {"weight_decay", s.opt.weight_decay}}},
+                        {"rng", rng},
+                        {"parameters", params}};
+    w->write_text("state.json", state.dump(1) + "\n");
+    w->commit();
+  }
+  // Nobody returns (and perhaps loads) before the checkpoint is in place.
+  if (s.data_parallel()) s.comm->barrier()->wait();
 }
 
 // See Note [Loading a checkpoint].
@@ -210,6 +287,8 @@ void Engine::load(const std::string& dir) {
   STRATA_CHECK(grad_accumulation >= 1 && micro_steps >= 0 && scale >= 1.0, state_path,
                ": out-of-range accumulation, micro-step or loss scale");
   const bool mid = micro_steps % grad_accumulation != 0;
+  STRATA_CHECK(!mid || !s.data_parallel(), "checkpoint ", r.dir(), " holds gradients mid-accumulation, which are "
+               "one process's own; load it with one rank");
   STRATA_CHECK(!mid || grad_accumulation == s.options.grad_accumulation, "checkpoint ", r.dir(),
                " was saved after micro-step ", micro_steps % grad_accumulation, " of ", grad_accumulation,
                "; load it with grad_accumulation ", grad_accumulation, " (this engine has ",
@@ -266,44 +345,63 @@ void Engine::load(const std::string& dir) {
   for (const std::string& file : rng_files) STRATA_CHECK(r.has(file), "checkpoint ", r.dir(), " lists no ", file);
 
   // Everything checked: from here on the engine changes.
-  const size_t esize = s.elem_size();
   try {
     // Every byte of these chunks is about to be overwritten: their payloads
     // are dropped before pinning, so pinning materialises them on host
     // instead of reading them back from the device or NVMe.
     auto fresh_members = [&](memory::FamilyId f) {
       const memory::ChunkFamily& fam = s.mgr->family(f);
-      std::vector<ChunkId> chunks = {fam.master ? *fam.master : fam.param, fam.optim_states[0], fam.optim_states[1]};
-      if (fam.master) chunks.push_back(fam.param);
+      std::vector<ChunkId> chunks = {fam.master ? *fam.master : s.step_param(f), fam.optim_states[0],
+                                     fam.optim_states[1]};
+      if (fam.master) chunks.push_back(s.step_param(f));
       if (mid) chunks.push_back(fam.grad);
       for (ChunkId c : chunks) s.mgr->release(c);
       return chunks;
     };
-    auto read = [](const SafetensorsReader& r, const std::string& name, void* dst, size_t bytes) {
-      r.read(*r.header().find(name), 0, dst, bytes);
+    // The part of parameter `p` chunk `c` holds (all of it, or this rank's
+    // shard's part: Note [Checkpoints across ranks]), from the file.
+    auto part = [&](const Impl::Param& p, ChunkId c) {
+      return s.mgr->chunk(c).shard() ? s.owned(p) : std::pair<int64_t, int64_t>{p.offset, p.offset + p.numel};
     };
+    auto read = [&](const SafetensorsReader& file, const Impl::Param& p, ChunkId c) {
+      const auto [begin, end] = part(p, c);
+      if (begin >= end) return;
+      const size_t esize = dtype_size(s.mgr->chunk(c).dtype());
+      file.read(*file.header().find(p.name), static_cast<size_t>(begin - p.offset) * esize, s.at(c, begin),
+                static_cast<size_t>(end - begin) * esize);
+    };
+    std::vector<float> values;
     s.stream_families(fresh_members, [&](Impl::Param& p, const memory::ChunkFamily& fam) {
-      const auto f32 = static_cast<size_t>(p.offset) * sizeof(float);
-      const auto n32 = static_cast<size_t>(p.numel) * sizeof(float);
-      auto* mp = static_cast<char*>(s.mgr->data(fam.master ? *fam.master : fam.param)) + f32;
-      read(*master, p.name, mp, n32);
-      read(*m, p.name, static_cast<char*>(s.mgr->data(fam.optim_states[0])) + f32, n32);
-      read(*v, p.name, static_cast<char*>(s.mgr->data(fam.optim_states[1])) + f32, n32);
+      const memory::FamilyId f = p.family;
+      const ChunkId mc = fam.master ? *fam.master : s.step_param(f);
+      read(*master, p, mc);
+      read(*m, p, fam.optim_states[0]);
+      read(*v, p, fam.optim_states[1]);
       if (fam.master) {
-        char* dst = static_cast<char*>(s.mgr->data(fam.param)) + p.offset * esize;
+        const ChunkId pc = s.step_param(f);
         if (param) {
-          read(*param, p.name, dst, p.numel * esize);
+          read(*param, p, pc);
         } else {
-          kernels::cast(mp, DType::kFloat32, dst, s.options.precision, p.numel);
+          const auto [begin, end] = part(p, pc);
+          values.resize(static_cast<size_t>(end - begin));
+          master->read(*master->header().find(p.name), static_cast<size_t>(begin - p.offset) * sizeof(float),
+                       values.data(), values.size() * sizeof(float));
+          kernels::cast(values.data(), DType::kFloat32, s.at(pc, begin), s.options.precision, end - begin);
         }
       }
-      if (mid) read(*grad, p.name, static_cast<char*>(s.mgr->data(fam.grad)) + p.offset * esize, p.numel * esize);
+      if (mid) read(*grad, p, fam.grad);
       p.steps = saved.at(p.name).steps;
     });
     if (!mid) s.zero_grads();
     for (Impl::Param& p : s.params) p.has_grad = mid && saved.at(p.name).has_grad;
-    for (auto& [file, gen] : generators(s.device)) {
+    for (auto& [stem, gen] : generators(s.device)) {
+      // This rank's state; rank 0's when the checkpoint was saved by fewer ranks.
+      std::string file = rng_file(stem, s.rank);
+      if (std::find(rng_files.begin(), rng_files.end(), file) == rng_files.end()) file = rng_file(stem, 0);
       if (std::find(rng_files.begin(), rng_files.end(), file) == rng_files.end()) continue;  // saved without a GPU
+      if (file != rng_file(stem, s.rank)) {
+        STRATA_LOG(kWarn, "checkpoint {} has no {} state for rank {}: it takes rank 0's", r.dir(), stem, s.rank);
+      }
       const std::string path = r.path(file);
       std::string bytes = r.read_text(file);
       torch::Tensor t = torch::empty({static_cast<int64_t>(bytes.size())}, torch::kUInt8);
@@ -327,9 +425,11 @@ void Engine::load(const std::string& dir) {
   s.poisoned.clear();
 }
 
+// Collective when data parallel: rank 0 writes (Note [Checkpoints across ranks]).
 void Engine::export_weights(const std::string& path) {
   Impl& s = *impl_;
   STRATA_CHECK(s.poisoned.empty(), s.poisoned);
+  const bool lead = s.rank == 0;
   const std::vector<size_t> order = s.params_in_chunk_order();
   std::vector<SafetensorsWriter::Spec> specs;
   for (size_t i : order) specs.push_back({s.params[i].name, "F32", shape_of(s.params[i].tensor)});
@@ -337,26 +437,30 @@ void Engine::export_weights(const std::string& path) {
   // Written beside `path` and renamed over it: a reader never sees half a file.
   const std::string tmp = path + ".tmp-" + std::to_string(::getpid());
   try {
-    SafetensorsWriter w(tmp, specs, {{"format", "pt"}});
-    auto master_chunk = [&](memory::FamilyId f) {
-      const memory::ChunkFamily& fam = s.mgr->family(f);
-      return std::vector<ChunkId>{fam.master ? *fam.master : fam.param};
-    };
-    s.stream_families(master_chunk, [&](const Impl::Param& p, const memory::ChunkFamily& fam) {
-      w.append(static_cast<const char*>(s.mgr->data(fam.master ? *fam.master : fam.param)) + p.offset * sizeof(float),
-               p.numel * sizeof(float));
-    });
-    for (const auto& [name, t] : s.frozen) {
-      const torch::Tensor c = t.detach().to(torch::kCPU, torch::kFloat32).contiguous();
-      w.append(c.data_ptr(), static_cast<size_t>(c.numel()) * sizeof(float));
+    std::optional<SafetensorsWriter> w;
+    if (lead) w.emplace(tmp, specs, std::map<std::string, std::string>{{"format", "pt"}});
+    size_t next = 0;
+    for (memory::FamilyId f : s.families) {
+      const std::vector<float> values = s.family_values(f);  // one family at a time, gathered when sharded
+      for (; next < order.size() && s.params[order[next]].family == f; ++next) {
+        const Impl::Param& p = s.params[order[next]];
+        if (lead) w->append(values.data() + p.offset, static_cast<size_t>(p.numel) * sizeof(float));
+      }
     }
-    w.finish();
-    STRATA_CHECK(::rename(tmp.c_str(), path.c_str()) == 0, "cannot rename ", tmp, " to ", path, ": ",
-                 std::strerror(errno));
+    if (lead) {
+      for (const auto& [name, t] : s.frozen) {
+        const torch::Tensor c = t.detach().to(torch::kCPU, torch::kFloat32).contiguous();
+        w->append(c.data_ptr(), static_cast<size_t>(c.numel()) * sizeof(float));
+      }
+      w->finish();
+      STRATA_CHECK(::rename(tmp.c_str(), path.c_str()) == 0, "cannot rename ", tmp, " to ", path, ": ",
+                   std::strerror(errno));
+    }
   } catch (...) {
-    std::remove(tmp.c_str());
+    if (lead) std::remove(tmp.c_str());
     throw;
   }
+  if (s.data_parallel()) s.comm->barrier()->wait();
 }
 
 // Copies the tensors of a safetensors file into `module`'s parameters by name.

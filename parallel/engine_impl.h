@@ -215,8 +215,50 @@ struct Engine::Impl : OpObserver {
   // gradient" flags tells every rank which parameters any rank used, so all
   // update the same ones. Accumulation micro-steps communicate nothing.
   std::shared_ptr<Communicator> comm;  // null: a single process
+  // Note [ZeRO over chunks]
+  // Stage s >= 1 registers sharded chunk families (Note [Sharded chunk
+  // families] in chunk.h): each rank keeps elements [rank * S, (rank + 1) *
+  // S) of every family's optimizer state and master (stage 1), gradient
+  // (stage 2) and parameters (stage 3), S = chunk capacity / world size.
+  // - Gradients: stages 0 and 1 all-reduce the full gradient chunk; stages 2
+  //   and 3 reduce-scatter it into the rank's gradient shard during backward
+  //   (same order and overlap as Note [Data parallel gradients]) and release
+  //   the full chunk as soon as its collective completes. With accumulation
+  //   the full chunk collects the micro-steps and is reduced once.
+  // - Step: each rank updates only the elements of its shard, parameter by
+  //   parameter (a parameter may span shards: each rank updates its part, and
+  //   every rank counts its step). The norm and overflow check over gradient
+  //   shards sum the ranks' partial sums. Stages 1 and 2 then all-gather each
+  //   parameter chunk in place; stage 3 writes the parameter shard.
+  // - Stage 3 operators: before an operator its parameter chunks are gathered
+  //   (all-gather of the shards into the full chunk, on a communicator of its
+  //   own so gathers never interleave with gradient reductions) and pinned
+  //   there; gathered chunks outside the window (this operator's chunks and,
+  //   once a step has recorded the operator sequence, the next
+  //   kPrefetchLookaheadOps operators', within half the device budget) are
+  //   released. Gathers for the window are issued ahead, so they overlap the
+  //   operators before them. Every decision is a function of the operator
+  //   sequence and the chunk sizes, never of timing or free bytes, so every
+  //   rank issues the same gathers in the same order. Gathered chunks are not
+  //   evictable; after backward all are released (the step changes the shards).
+  //   Like DeepSpeed's ZeRO-3, this needs every rank to run the same operators
+  //   on parameters; a rank that does not stalls the others until the timeout.
+  int stage = 0;
+  int rank = 0;
+  std::unique_ptr<Communicator> gather_comm;  // stage 3
+  struct Gather {
+    WorkHandle work;  // null once complete
+    ChunkId shard = -1;
+  };
+  std::vector<std::pair<ChunkId, Gather>> gathered;  // full parameter chunks held now, in gather order
+  std::vector<std::vector<ChunkId>> gather_plan, gather_rec;  // the operator sequence's parameter chunks
+  bool gather_recording = true;
+  bool gather_diverged = false;
+  int64_t gather_cursor = 0;
+  int64_t gathers = 0;
   std::vector<size_t> grads_arrived;  // per family position; complete at params_of_chunk[its param chunk].size()
   std::vector<WorkHandle> reductions;              // per family position; null: not issued yet
+  std::vector<bool> reduced;                       // per family position: waited for and unpinned
   std::unordered_map<memory::FamilyId, size_t> family_pos;
   size_t reduce_cursor = 0;  // families at positions >= this have been issued
   bool boundary = false;     // this micro-step ends an accumulation
@@ -266,6 +308,32 @@ struct Engine::Impl : OpObserver {
 
   ChunkId param_chunk(const Param& p) const { return mgr->family(p.family).param; }
   size_t elem_size() const { return dtype_size(options.precision); }
+  int world() const { return comm ? comm->world_size() : 1; }
+  // See Note [ZeRO over chunks]: where a family's parameters and gradients
+  // are between steps and in the step.
+  ChunkId step_param(memory::FamilyId f) const {
+    const memory::ChunkFamily& fam = mgr->family(f);
+    return fam.param_shard ? *fam.param_shard : fam.param;
+  }
+  ChunkId step_grad(memory::FamilyId f) const {
+    const memory::ChunkFamily& fam = mgr->family(f);
+    return fam.grad_shard ? *fam.grad_shard : fam.grad;
+  }
+  // The element of the family layout a chunk's first element holds.
+  int64_t origin(ChunkId c) const {
+    const memory::Chunk& chunk = mgr->chunk(c);
+    return chunk.shard() ? rank * mgr->family(chunk.family()).layout->shards.shard_elems : 0;
+  }
+  // The address of family-layout element `elem` in chunk `c` (payload on host or device).
+  char* at(ChunkId c, int64_t elem) const {
+    return static_cast<char*>(mgr->data(c)) + (elem - origin(c)) * dtype_size(mgr->chunk(c).dtype());
+  }
+  // The elements of parameter `p` this rank updates: all of them at stage 0,
+  // its shard's part from stage 1.
+  std::pair<int64_t, int64_t> owned(const Param& p) const {
+    if (stage == 0) return {p.offset, p.offset + p.numel};
+    return mgr->family(p.family).layout->slot_in_shard(p.slot, rank);
+  }
 
   // See Note [Parameter storages follow their chunk]. Runs under the manager's lock.
   void on_placed(const memory::Chunk& c, std::optional<Tier> tier, void* ptr) {
@@ -326,8 +394,9 @@ struct Engine::Impl : OpObserver {
       chunks.push_back(c);
       needed += mgr->chunk(c).alloc_bytes();
     }
+    if (stage == 3) gather_window(chunks);
     if (planner != nullptr && in_step) follow_plan(op, chunks);
-    if (placement != nullptr) return_streamed(chunks);
+    if (placement != nullptr && stage < 3) return_streamed(chunks);
     if (nm_counter != nullptr) apply_capacity(op, needed);
     const uint64_t budget = mgr->tier_stats(Tier::kDevice).budget;
     STRATA_CHECK(needed <= budget, "operator ", op.schema().name(), " on parameter '", params[ids.front()].name,
@@ -349,6 +418,115 @@ struct Engine::Impl : OpObserver {
     }
     wait.operators += seconds_since(waited_from);
     if (planner != nullptr && in_step && !planning && !diverged && options.prefetch) prefetch_upcoming();
+  }
+
+  // See Note [ZeRO over chunks]: releases the gathered chunks outside this
+  // operator's window, issues the gathers the window lacks, and waits for
+  // this operator's own.
+  void gather_window(const std::vector<ChunkId>& chunks) {
+    std::vector<ChunkId> window = chunks;
+    if (in_step) {
+      if (gather_recording) {
+        gather_rec.push_back(chunks);
+      } else if (!gather_diverged &&
+                 (gather_cursor >= static_cast<int64_t>(gather_plan.size()) || gather_plan[gather_cursor] != chunks)) {
+        gather_diverged = true;
+      }
+      gather_cursor += 1;
+      if (!gather_recording && !gather_diverged && options.prefetch) {
+        uint64_t bytes = 0;
+        for (ChunkId c : window) bytes += mgr->chunk(c).alloc_bytes();
+        const int64_t end = std::min<int64_t>(gather_cursor + memory::kPrefetchLookaheadOps - 1,
+                                              static_cast<int64_t>(gather_plan.size()));
+        for (int64_t k = gather_cursor; k < end; ++k) {
+          for (ChunkId c : gather_plan[k]) {
+            if (std::find(window.begin(), window.end(), c) != window.end()) continue;
+            bytes += mgr->chunk(c).alloc_bytes();
+            if (bytes > options.budgets.device / 2) break;
+            window.push_back(c);
+          }
+        }
+      }
+    }
+    for (size_t i = 0; i < gathered.size();) {
+      const ChunkId c = gathered[i].first;
+      if (std::find(window.begin(), window.end(), c) != window.end()) {
+        ++i;
+        continue;
+      }
+      finish_gather(gathered[i].second, c);
+      mgr->release(c);
+      gathered.erase(gathered.begin() + static_cast<std::ptrdiff_t>(i));
+    }
+    for (ChunkId c : window) {
+      const bool held = std::any_of(gathered.begin(), gathered.end(), [&](const auto& g) { return g.first == c; });
+      if (!held) start_gather(c);
+    }
+    for (auto& [c, g] : gathered) {
+      if (std::find(chunks.begin(), chunks.end(), c) != chunks.end()) finish_gather(g, c);
+    }
+  }
+  // Materialises the full chunk where operators read it (the device; on
+  // CUDA, host first, since Gloo moves host memory) and all-gathers every
+  // rank's shard into it.
+  void start_gather(ChunkId c) {
+    const ChunkId shard = *mgr->family(mgr->chunk(c).family()).param_shard;
+    const Tier where = mgr->device().kind() == offload::DeviceKind::kCuda ? Tier::kHost : Tier::kDevice;
+    pin(shard, Tier::kHost, {0});
+    try {
+      pin(c, where, all_slots(c));
+    } catch (...) {
+      unpin(shard, {0});
+      throw;
+    }
+    Gather g;
+    g.shard = shard;
+    g.work = gather_comm->all_gather(mgr->data(shard), mgr->data(c),
+                                     static_cast<size_t>(mgr->chunk(shard).capacity_elems()), options.precision);
+    gathered.emplace_back(c, std::move(g));
+    gathers += 1;
+  }
+  void finish_gather(Gather& g, ChunkId c) {
+    if (!g.work) return;
+    WorkHandle work = std::move(g.work);
+    g.work = nullptr;
+    std::exception_ptr failure;
+    try {
+      work->wait();
+    } catch (...) {
+      failure = std::current_exception();
+    }
+    unpin(c, all_slots(c));
+    unpin(g.shard, {0});
+    if (failure) std::rethrow_exception(failure);
+  }
+  // After backward (and evaluation): every gathered chunk is released.
+  void release_gathered() {
+    std::exception_ptr failure;
+    for (auto& [c, g] : gathered) {
+      try {
+        finish_gather(g, c);
+      } catch (...) {
+        if (!failure) failure = std::current_exception();
+      }
+      if (mgr->chunk(c).movable()) mgr->release(c);
+    }
+    gathered.clear();
+    if (failure) std::rethrow_exception(failure);
+  }
+  void begin_gather_step() {
+    gather_cursor = 0;
+    gather_diverged = false;
+    if (gather_recording) gather_rec.clear();
+  }
+  void end_gather_step() {
+    if (gather_recording) {
+      gather_plan = std::move(gather_rec);
+      gather_rec.clear();
+      gather_recording = false;
+    } else if (gather_diverged || gather_cursor != static_cast<int64_t>(gather_plan.size())) {
+      gather_recording = true;
+    }
   }
 
   // Moves the plan's cursor to this operator, or records it while planning;
@@ -582,16 +760,58 @@ struct Engine::Impl : OpObserver {
       const size_t pos = family_pos.at(p.family);
       grads_arrived[pos] += 1;
       issue_ready_reductions();
+      if (stage >= 2) settle_done_reductions();
     }
   }
 
   // See Note [Data parallel gradients]. Called with grad_mu held.
+  // Stages 0 and 1 all-reduce the gradient chunk; stages 2 and 3
+  // reduce-scatter it into the gradient shard (Note [ZeRO over chunks]).
   void issue_reduction(size_t pos) {
-    const ChunkId gc = mgr->family(families[pos]).grad;
+    const memory::ChunkFamily& fam = mgr->family(families[pos]);
+    const ChunkId gc = fam.grad;
     pin(gc, Tier::kHost, all_slots(gc));  // stays on host, unmoved, while the collective reads it
-    reductions[pos] = comm->all_reduce(mgr->data(gc), static_cast<size_t>(mgr->chunk(gc).capacity_elems()),
-                                       options.precision, ReduceOp::kSum);
+    if (fam.grad_shard) {
+      try {
+        pin(*fam.grad_shard, Tier::kHost, {0});
+      } catch (...) {
+        unpin(gc, all_slots(gc));
+        throw;
+      }
+      reductions[pos] = comm->reduce_scatter(mgr->data(gc), mgr->data(*fam.grad_shard),
+                                             static_cast<size_t>(mgr->chunk(*fam.grad_shard).capacity_elems()),
+                                             options.precision, ReduceOp::kSum);
+    } else {
+      reductions[pos] = comm->all_reduce(mgr->data(gc), static_cast<size_t>(mgr->chunk(gc).capacity_elems()),
+                                         options.precision, ReduceOp::kSum);
+    }
     collectives += 1;
+  }
+  // Waits for family position `pos`'s reduction and unpins its chunks; with
+  // a gradient shard the full gradient chunk is no longer needed.
+  void settle_reduction(size_t pos) {
+    if (reduced[pos]) return;
+    reduced[pos] = true;
+    const memory::ChunkFamily& fam = mgr->family(families[pos]);
+    std::exception_ptr failure;
+    try {
+      reductions[pos]->wait();
+    } catch (...) {
+      failure = std::current_exception();
+    }
+    unpin(fam.grad, all_slots(fam.grad));
+    if (fam.grad_shard) {
+      unpin(*fam.grad_shard, {0});
+      if (!failure) mgr->release(fam.grad);
+    }
+    if (failure) std::rethrow_exception(failure);
+  }
+  // Stages 2 and 3: full gradient chunks whose reduce-scatter has completed
+  // are released during backward, so few exist at once.
+  void settle_done_reductions() {
+    for (size_t pos = reduce_cursor; pos < reductions.size(); ++pos) {
+      if (reductions[pos] && !reduced[pos] && reductions[pos]->done()) settle_reduction(pos);
+    }
   }
   void issue_ready_reductions() {
     while (reduce_cursor > 0 &&
@@ -602,6 +822,7 @@ struct Engine::Impl : OpObserver {
   void begin_reductions() {
     std::fill(grads_arrived.begin(), grads_arrived.end(), 0);
     reductions.assign(families.size(), nullptr);
+    reduced.assign(families.size(), false);
     reduce_cursor = families.size();
   }
   // After backward on an accumulation boundary: the rest of the families,
@@ -618,12 +839,10 @@ struct Engine::Impl : OpObserver {
     std::exception_ptr failure;
     for (size_t pos = 0; pos < reductions.size(); ++pos) {
       try {
-        reductions[pos]->wait();
+        settle_reduction(pos);
       } catch (...) {
         if (!failure) failure = std::current_exception();
       }
-      const ChunkId gc = mgr->family(families[pos]).grad;
-      unpin(gc, all_slots(gc));
     }
     try {
       flags->wait();
@@ -634,25 +853,15 @@ struct Engine::Impl : OpObserver {
     for (size_t i = 0; i < params.size(); ++i) params[i].has_grad = used[i] > 0.0f;
   }
 
-  // Rank 0's parameters (and master weights) to every rank, so replicas start equal.
-  void broadcast_parameters() {
-    for (memory::FamilyId f : families) {
-      const memory::ChunkFamily& fam = mgr->family(f);
-      std::vector<ChunkId> chunks = {fam.param};
-      if (fam.master) chunks.push_back(*fam.master);
-      with_family_on_host(f, chunks, [&] {
-        for (ChunkId c : chunks) {
-          comm->broadcast(mgr->data(c), mgr->chunk(c).alloc_bytes() / sizeof(float), DType::kFloat32, 0)->wait();
-        }
-      });
-    }
-  }
-
   // Gradient chunks are dropped, not zeroed: the next backward materialises
   // them zero-filled on host, and a chunk evicted to NVMe is never read back
   // only to be cleared.
   void zero_grads() {
-    for (memory::FamilyId f : families) mgr->release(mgr->family(f).grad);
+    for (memory::FamilyId f : families) {
+      const memory::ChunkFamily& fam = mgr->family(f);
+      mgr->release(fam.grad);
+      if (fam.grad_shard) mgr->release(*fam.grad_shard);
+    }
     for (Param& p : params) p.has_grad = false;
   }
 
@@ -666,8 +875,8 @@ struct Engine::Impl : OpObserver {
   // Everything the update of a family touches: its optimizer state, parameters and gradients.
   std::vector<ChunkId> step_members(memory::FamilyId f) const {
     std::vector<ChunkId> m = optim_members(f);
-    m.push_back(mgr->family(f).param);
-    m.push_back(mgr->family(f).grad);
+    m.push_back(step_param(f));
+    m.push_back(step_grad(f));
     return m;
   }
 
@@ -714,9 +923,9 @@ struct Engine::Impl : OpObserver {
     const memory::TierStats host = mgr->tier_stats(Tier::kHost);
     uint64_t reserve = 0;
     for (memory::FamilyId f : families) {
-      const memory::ChunkFamily& fam = mgr->family(f);
-      if (!mgr->chunk(fam.grad).resident_on(Tier::kHost)) reserve += mgr->chunk(fam.grad).alloc_bytes();
-      if (!mgr->chunk(fam.param).resident_on(Tier::kHost)) reserve += mgr->chunk(fam.param).alloc_bytes();
+      for (ChunkId c : {step_grad(f), step_param(f)}) {
+        if (!mgr->chunk(c).resident_on(Tier::kHost)) reserve += mgr->chunk(c).alloc_bytes();
+      }
     }
     uint64_t planned = host.used + reserve;
     for (size_t i = 0; i < families.size(); ++i) {
@@ -740,20 +949,30 @@ struct Engine::Impl : OpObserver {
     kernels::GradStats total;
     std::vector<offload::CopyTicket> ahead;
     for (size_t i = 0; i < families.size(); ++i) {
-      const ChunkId gc = mgr->family(families[i]).grad;
+      const ChunkId gc = step_grad(families[i]);
       if (mgr->chunk(gc).location()) {  // never materialised: no gradient, zero
         const auto slots = all_slots(gc);
         const auto waited_from = Clock::now();
         pin(gc, Tier::kHost, slots);
         wait.optimizer += seconds_since(waited_from);
         if (i + 1 < families.size() && options.prefetch) {
-          read_ahead({mgr->family(families[i + 1]).grad}, ahead, /*only_into_free=*/true);
+          read_ahead({step_grad(families[i + 1])}, ahead, /*only_into_free=*/true);
         }
         total.merge(kernels::grad_stats(mgr->data(gc), options.precision, mgr->chunk(gc).capacity_elems()));
         unpin(gc, slots);
       }
     }
     settle(ahead);
+    if (stage >= 2) {
+      // Each rank holds its shard of the gradients: every rank sums all the
+      // partial sums in rank order, so all get the same norm.
+      const double mine[2] = {total.sum_sq, total.finite ? 0.0 : 1.0};
+      std::vector<double> all(2 * static_cast<size_t>(world()));
+      comm->all_gather(mine, all.data(), 2 * sizeof(double) / sizeof(float), DType::kFloat32)->wait();
+      collectives += 1;
+      total = kernels::GradStats{};
+      for (int r = 0; r < world(); ++r) total.merge({all[2 * r], all[2 * r + 1] == 0.0});
+    }
     return total;
   }
 
@@ -763,14 +982,11 @@ struct Engine::Impl : OpObserver {
     const memory::FamilyId f = families[index];
     const memory::ChunkFamily& fam = mgr->family(f);
     const auto waited_from = Clock::now();
-    with_family_on_host(f, step_members(f), [&] {
+    with_family_on_host(step_members(f), [&] {
       wait.optimizer += seconds_since(waited_from);  // the pins above waited for the chunks
       pinned_hook();
-      char* param = static_cast<char*>(mgr->data(fam.param));
-      float* master = static_cast<float*>(mgr->data(fam.master ? *fam.master : fam.param));
-      const char* g = static_cast<const char*>(mgr->data(fam.grad));
-      float* m = static_cast<float*>(mgr->data(fam.optim_states[0]));
-      float* v = static_cast<float*>(mgr->data(fam.optim_states[1]));
+      const ChunkId pc = step_param(f), gc = step_grad(f);
+      const ChunkId mc = fam.master ? *fam.master : pc;  // fp32 values: the master, or the fp32 parameters
       kernels::AdamParams ap;
       ap.lr = opt.lr;
       ap.beta1 = opt.beta1;
@@ -783,18 +999,27 @@ struct Engine::Impl : OpObserver {
         Param& p = params[i];
         if (!p.has_grad) continue;  // unused this step: no update, as torch.optim
         ap.step = ++p.steps;
+        const auto [begin, end] = owned(p);  // Note [ZeRO over chunks]: this rank's part
+        if (begin >= end) continue;
         kernels::OptimSpans s;
-        s.n = p.numel;
-        s.master = master + p.offset;
-        s.grad = g + p.offset * elem_size();
+        s.n = end - begin;
+        s.master = reinterpret_cast<float*>(at(mc, begin));
+        s.grad = at(gc, begin);
         s.grad_dtype = options.precision;
-        s.state0 = m + p.offset;
-        s.state1 = v + p.offset;
+        s.state0 = reinterpret_cast<float*>(at(fam.optim_states[0], begin));
+        s.state1 = reinterpret_cast<float*>(at(fam.optim_states[1], begin));
         if (fam.master) {
-          s.param_copy = param + p.offset * elem_size();
+          s.param_copy = at(pc, begin);
           s.param_dtype = options.precision;
         }
         kernels::adam_step(ap, s);
+      }
+      if (stage == 1 || stage == 2) {
+        // Every rank updated its shard of the parameter chunk: gather the rest.
+        const int64_t shard = fam.layout->shards.shard_elems;
+        comm->all_gather(at(fam.param, rank * shard), mgr->data(fam.param), static_cast<size_t>(shard),
+                         options.precision)->wait();
+        collectives += 1;
       }
     });
   }
@@ -889,29 +1114,46 @@ struct Engine::Impl : OpObserver {
     for (size_t i = 0; i < families.size(); ++i) {
       const memory::FamilyId f = families[i];
       const memory::ChunkFamily& fam = mgr->family(f);
-      with_family_on_host(f, chunks(f), [&] {
+      with_family_on_host(chunks(f), [&] {
         if (pinned) pinned(i);
         for (; next < order.size() && params[order[next]].family == f; ++next) each(params[order[next]], fam);
       });
     }
   }
 
-  // Pins the given chunks of family `f` on host for `fn`, unpinning however it ends.
+  // Pins the given chunks on host for `fn`, unpinning however it ends.
   template <typename Fn>
-  void with_family_on_host(memory::FamilyId f, const std::vector<ChunkId>& chunks, Fn fn) {
-    const auto slots = all_slots(mgr->family(f).param);
+  void with_family_on_host(const std::vector<ChunkId>& chunks, Fn fn) {
     std::vector<ChunkId> pinned;
     try {
       for (ChunkId c : chunks) {
-        pin(c, Tier::kHost, slots);
+        pin(c, Tier::kHost, all_slots(c));
         pinned.push_back(c);
       }
       fn();
     } catch (...) {
-      for (ChunkId c : pinned) unpin(c, slots);
+      for (ChunkId c : pinned) unpin(c, all_slots(c));
       throw;
     }
-    for (ChunkId c : pinned) unpin(c, slots);
+    for (ChunkId c : pinned) unpin(c, all_slots(c));
+  }
+
+  // A family's fp32 values over its whole layout: the master weights in mixed
+  // precision, else the parameters. Sharded (stage 1 or 2 in mixed precision,
+  // stage 3) they are all-gathered, so every rank must call this for the same
+  // families in the same order.
+  std::vector<float> family_values(memory::FamilyId f) {
+    const memory::ChunkFamily& fam = mgr->family(f);
+    const ChunkId c = fam.master ? *fam.master : step_param(f);
+    const memory::Chunk& chunk = mgr->chunk(c);
+    std::vector<float> full(static_cast<size_t>(fam.layout->capacity_elems));
+    std::vector<float> part(chunk.shard() ? static_cast<size_t>(chunk.capacity_elems()) : 0);
+    float* dst = chunk.shard() ? part.data() : full.data();
+    if (chunk.location()) mgr->read(c, dst, static_cast<size_t>(chunk.capacity_elems()) * sizeof(float));
+    if (chunk.shard()) {
+      comm->all_gather(part.data(), full.data(), part.size(), DType::kFloat32)->wait();
+    }
+    return full;
   }
 
   void detach_all() noexcept {
@@ -927,18 +1169,12 @@ struct Engine::Impl : OpObserver {
       if (hook) {
         for (Param& p : params) hook->untrack(p.tensor);
       }
-      // The fp32 values: the master chunk in mixed precision, else the parameter chunk.
-      std::unordered_map<ChunkId, std::vector<float>> copies;
+      std::unordered_map<memory::FamilyId, std::vector<float>> copies;
+      for (memory::FamilyId f : families) copies[f] = family_values(f);
       for (Param& p : params) {
-        const memory::ChunkFamily& fam = mgr->family(p.family);
-        const ChunkId c = fam.master ? *fam.master : fam.param;
-        auto& data = copies[c];
-        if (data.empty()) {
-          data.resize(mgr->chunk(c).capacity_elems());
-          if (mgr->chunk(c).location()) mgr->read(c, data.data(), data.size() * sizeof(float));
-        }
+        const std::vector<float>& data = copies[p.family];
         torch::NoGradGuard no_grad;
-        torch::Tensor owned = torch::from_blob(data.data() + p.offset, p.tensor.sizes(), torch::kFloat32)
+        torch::Tensor owned = torch::from_blob(const_cast<float*>(data.data()) + p.offset, p.tensor.sizes(), torch::kFloat32)
                                   .clone()
                                   .to(p.original_device);
         p.tensor.set_data(owned);

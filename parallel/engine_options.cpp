@@ -62,6 +62,7 @@ EngineOptions EngineOptions::from_env(EngineOptions base) {
   from_env_var("STRATA_POLICY", [&](const std::string& v) { o.policy = v; });
   from_env_var("STRATA_STATIC_PARAM_FRACTION",
                [&](const std::string& v) { o.static_param_fraction = parse_number(v); });
+  from_env_var("STRATA_ZERO_STAGE", [&](const std::string& v) { o.zero_stage = static_cast<int>(parse_integer(v)); });
   from_env_var("STRATA_INIT_WEIGHTS", [&](const std::string& v) { o.init_weights = v; });
   from_env_var("STRATA_LOSS_SCALE", [&](const std::string& v) { o.loss_scale.initial = parse_number(v); });
   o.validate();
@@ -88,6 +89,8 @@ void EngineOptions::validate() const {
                "\" is not one of auto, lru, static");
   STRATA_CHECK(static_param_fraction == -1.0 || (static_param_fraction >= 0.0 && static_param_fraction <= 1.0),
                "static_param_fraction is ", static_param_fraction, "; give a fraction in [0, 1], or -1 for auto");
+  STRATA_CHECK(zero_stage >= 0 && zero_stage <= 3, "zero_stage is ", zero_stage, "; give 0 (data parallel), 1 "
+               "(shard optimizer state), 2 (and gradients) or 3 (and parameters)");
   STRATA_CHECK(trace_steps >= 1, "trace_steps is ", trace_steps, "; trace at least one step");
   STRATA_CHECK(loss_scale.initial >= 1.0 && loss_scale.min_scale >= 1.0 && loss_scale.min_scale <= loss_scale.initial,
                "the loss scale must be at least 1 and min_scale at most the initial scale; got initial ",

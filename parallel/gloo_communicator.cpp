@@ -215,10 +215,19 @@ class GlooCommunicator final : public Communicator {
   WorkHandle all_gather(const void* in, void* out, size_t count, DType dtype) override {
     const size_t bytes = count * dtype_size(dtype);
     return submit(fmt::format("all_gather of {} x {} {}", size_, count, dtype_name(dtype)), count, [=](uint32_t tag) {
+      // In place (`in` inside `out`, as ZeRO gathers a chunk from its own
+      // shard): Gloo's input and output buffers must not overlap.
+      const auto* src = static_cast<const uint8_t*>(in);
+      const auto* dst = static_cast<const uint8_t*>(out);
+      std::vector<uint8_t> copy;
+      if (bytes > 0 && src < dst + bytes * size_ && dst < src + bytes) {
+        copy.assign(src, src + bytes);
+        src = copy.data();
+      }
       gloo::AllgatherOptions o(context_);
       o.setTag(tag);
       o.setTimeout(options_.timeout);
-      o.setInput(const_cast<uint8_t*>(static_cast<const uint8_t*>(in)), bytes);
+      o.setInput(const_cast<uint8_t*>(src), bytes);
       o.setOutput(static_cast<uint8_t*>(out), bytes * size_);
       gloo::allgather(o);
     });

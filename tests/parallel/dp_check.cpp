@@ -1,9 +1,15 @@
 // Run by the tests through `strata run -n N`: data-parallel strata training
 // against single-process plain LibTorch on the combined batch, on every rank.
-//   dp_check [--offload] [--accumulation K] [--unused]
+//   dp_check [--zero-stage S] [--offload] [--accumulation K] [--unused]
+//   dp_check --memory
+//   --zero-stage    ZeRO stage 0-3 (Note [ZeRO over chunks])
 //   --offload       device budget a quarter of the model state, optimizer state on NVMe
 //   --accumulation  K micro-steps per step (communication only on the last)
-//   --unused        a branch only rank 0 uses: its gradients exist on one rank only
+//   --unused        a branch only rank 0 uses: its gradients exist on one rank
+//                   only (at stage 3 no rank uses it: every rank must run the
+//                   same operators on parameters there)
+//   --memory        trains at stages 0 to 3 and checks that stage 3 keeps about
+//                   1/N of stage 0's model-state bytes per rank between steps
 // Prints "rank R: data parallel matches single-process training (...)" or fails.
 #include <torch/torch.h>
 #include <unistd.h>
@@ -11,6 +17,8 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
+#include <vector>
 #include <string>
 
 #include "strata/core/error.h"
@@ -34,84 +42,151 @@ struct Net : torch::nn::Module {
   }
 };
 
-int main(int argc, char** argv) {
+struct Options {
+  int stage = 0;
   bool offload = false, unused = false;
   int accumulation = 1;
+  int64_t chunk_elems = 64 * 64 + 64;  // shards of unaligned size at 2 and 4 ranks
+};
+
+struct Outcome {
+  double worst = 0;           // relative L2 difference from single-process training
+  uint64_t between = 0;       // model-state bytes on all tiers after the last step
+  uint64_t peaks = 0;         // sum of the tiers' peaks
+  uint64_t device_peak = 0;
+  int64_t gathers = 0;
+};
+
+// Trains a fresh model on every rank and its single-process reference.
+Outcome train(const std::shared_ptr<Communicator>& comm, const Options& opt) {
+  const int rank = comm->rank(), world = comm->world_size();
+  torch::manual_seed(100 + rank);  // replicas start apart: attach broadcasts rank 0's parameters
+  auto model = std::make_shared<Net>();
+  torch::manual_seed(1);
+  auto reference = std::make_shared<Net>();  // rank 0's initial weights, as in every rank's reference
+  if (rank == 0) {
+    torch::NoGradGuard g;
+    auto src = reference->parameters();
+    auto dst = model->parameters();
+    for (size_t i = 0; i < src.size(); ++i) dst[i].copy_(src[i]);
+  }
+  AdamWConfig cfg;
+  cfg.lr = 1e-2f;
+  torch::optim::AdamW adamw(reference->parameters(), torch::optim::AdamWOptions(cfg.lr).weight_decay(cfg.weight_decay));
+  int64_t params = 0;
+  for (const auto& p : model->parameters()) params += p.numel();
+  EngineOptions o;
+  o.zero_stage = opt.stage;
+  o.chunk_elems = opt.chunk_elems;
+  o.grad_accumulation = opt.accumulation;
+  o.budgets = {static_cast<uint64_t>(params) * 16, static_cast<uint64_t>(params) * 32, 0};
+  const std::string nvme = "/tmp/strata-dp-check-" + std::to_string(::getpid());
+  if (opt.offload) {
+    o.budgets = {static_cast<uint64_t>(params) * 16 / 4 / 4096 * 4096 + 8192, static_cast<uint64_t>(params) * 16,
+                 static_cast<uint64_t>(params) * 64};
+    o.nvme_dir = nvme;
+    o.nvme_optim_fraction = 1.0;
+  }
+  // Stage 3 gathers parameters for operators: every rank must use the same ones.
+  const auto uses_side = [&](int r) { return opt.unused && r == 0 && opt.stage < 3; };
+  const int steps = 5, batch = 8;
+  Outcome out;
+  {
+    auto engine = attach(*model, cfg, o, comm);
+    STRATA_CHECK(engine->zero_stage() == opt.stage, "engine runs stage ", engine->zero_stage());
+    for (int s = 0; s < steps; ++s) {
+      adamw.zero_grad();
+      for (auto& p : reference->parameters()) p.mutable_grad() = torch::Tensor();
+      for (int m = 0; m < opt.accumulation; ++m) {
+        torch::manual_seed(1000 + s * 10 + m);  // the same combined batch on every rank
+        const torch::Tensor x = torch::randn({world * batch, 32}), y = torch::randn({world * batch, 8});
+        // Reference: the mean over ranks of each rank's loss, on one process.
+        torch::Tensor ref = torch::zeros({});
+        for (int r = 0; r < world; ++r) {
+          ref = ref + torch::mse_loss(reference->forward(x.slice(0, r * batch, (r + 1) * batch), uses_side(r)),
+                                      y.slice(0, r * batch, (r + 1) * batch));
+        }
+        (ref / (world * opt.accumulation)).backward();
+        const torch::Tensor xr = x.slice(0, rank * batch, (rank + 1) * batch), yr = y.slice(0, rank * batch, (rank + 1) * batch);
+        engine->train_step([&] { return torch::mse_loss(model->forward(xr, uses_side(rank)), yr); });
+      }
+      adamw.step();
+    }
+    // Attach broadcasts every parameter; each step reduces every family and
+    // the flags; stages 1-2 gather each family's parameters after the step;
+    // stages 2-3 sum the gradient norm's shards. Accumulation micro-steps
+    // communicate nothing.
+    const int64_t families = static_cast<int64_t>(engine->num_families());
+    int64_t expected = static_cast<int64_t>(model->parameters().size()) + steps * (families + 1);
+    if (opt.stage == 1 || opt.stage == 2) expected += steps * families;
+    if (opt.stage >= 2) expected += steps;
+    STRATA_CHECK(engine->collectives() == expected, "issued ", engine->collectives(), " collectives, expected ",
+                 expected);
+    STRATA_CHECK((engine->parameter_gathers() > 0) == (opt.stage == 3), "stage ", opt.stage, " gathered parameters ",
+                 engine->parameter_gathers(), " times");
+    const auto dev = engine->tier_stats(strata::memory::Tier::kDevice);
+    STRATA_CHECK(dev.peak <= dev.budget, "device peak over budget");
+    for (auto t : {strata::memory::Tier::kDevice, strata::memory::Tier::kHost, strata::memory::Tier::kNvme}) {
+      out.between += engine->tier_stats(t).used;
+      out.peaks += engine->tier_stats(t).peak;
+    }
+    out.device_peak = dev.peak;
+    out.gathers = engine->parameter_gathers();
+  }  // detached: the module holds the trained weights
+  auto pa = reference->parameters();
+  auto pb = model->parameters();
+  for (size_t i = 0; i < pa.size(); ++i) {
+    out.worst = std::max(out.worst, ((pa[i] - pb[i]).norm() / pa[i].norm()).item<double>());
+  }
+  if (opt.offload) std::filesystem::remove_all(nvme);
+  return out;
+}
+
+int main(int argc, char** argv) {
+  Options opt;
+  bool memory = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a == "--offload") offload = true;
-    if (a == "--unused") unused = true;
-    if (a == "--accumulation" && i + 1 < argc) accumulation = std::atoi(argv[++i]);
+    if (a == "--offload") opt.offload = true;
+    if (a == "--unused") opt.unused = true;
+    if (a == "--memory") memory = true;
+    if (a == "--accumulation" && i + 1 < argc) opt.accumulation = std::atoi(argv[++i]);
+    if (a == "--zero-stage" && i + 1 < argc) opt.stage = std::atoi(argv[++i]);
   }
   try {
     std::shared_ptr<Communicator> comm = make_gloo_communicator(Rendezvous::from_env());
     const int rank = comm->rank(), world = comm->world_size();
-    torch::manual_seed(100 + rank);  // replicas start apart: attach broadcasts rank 0's parameters
-    auto model = std::make_shared<Net>();
-    torch::manual_seed(1);
-    auto reference = std::make_shared<Net>();  // rank 0's initial weights, as in every rank's reference
-    if (rank == 0) {
-      torch::NoGradGuard g;
-      auto src = reference->parameters();
-      auto dst = model->parameters();
-      for (size_t i = 0; i < src.size(); ++i) dst[i].copy_(src[i]);
-    }
-    AdamWConfig cfg;
-    cfg.lr = 1e-2f;
-    torch::optim::AdamW opt(reference->parameters(), torch::optim::AdamWOptions(cfg.lr).weight_decay(cfg.weight_decay));
-    int64_t params = 0;
-    for (const auto& p : model->parameters()) params += p.numel();
-    EngineOptions o;
-    o.chunk_elems = 64 * 64 + 64;
-    o.grad_accumulation = accumulation;
-    o.budgets = {static_cast<uint64_t>(params) * 16, static_cast<uint64_t>(params) * 32, 0};
-    const std::string nvme = "/tmp/strata-dp-check-" + std::to_string(::getpid());
-    if (offload) {
-      o.budgets = {static_cast<uint64_t>(params) * 16 / 4 / 4096 * 4096 + 8192, static_cast<uint64_t>(params) * 16,
-                   static_cast<uint64_t>(params) * 64};
-      o.nvme_dir = nvme;
-      o.nvme_optim_fraction = 1.0;
-    }
-    const int steps = 5, batch = 8;
-    {
-      auto engine = attach(*model, cfg, o, comm);
-      for (int s = 0; s < steps; ++s) {
-        opt.zero_grad();
-        for (auto& p : reference->parameters()) p.mutable_grad() = torch::Tensor();
-        for (int m = 0; m < accumulation; ++m) {
-          torch::manual_seed(1000 + s * 10 + m);  // the same combined batch on every rank
-          const torch::Tensor x = torch::randn({world * batch, 32}), y = torch::randn({world * batch, 8});
-          // Reference: the mean over ranks of each rank's loss, on one process.
-          torch::Tensor ref = torch::zeros({});
-          for (int r = 0; r < world; ++r) {
-            const bool side = unused && r == 0;
-            ref = ref + torch::mse_loss(reference->forward(x.slice(0, r * batch, (r + 1) * batch), side),
-                                        y.slice(0, r * batch, (r + 1) * batch));
-          }
-          (ref / (world * accumulation)).backward();
-          const torch::Tensor xr = x.slice(0, rank * batch, (rank + 1) * batch), yr = y.slice(0, rank * batch, (rank + 1) * batch);
-          engine->train_step([&] { return torch::mse_loss(model->forward(xr, unused && rank == 0), yr); });
-        }
-        opt.step();
+    if (memory) {
+      std::vector<Outcome> by_stage;
+      for (int stage = 0; stage <= 3; ++stage) {
+        Options o = opt;
+        o.stage = stage;
+        // Shards of whole 4 KiB pages at 2 and 4 ranks, so that alignment
+        // padding does not blur the comparison.
+        o.chunk_elems = 8192;
+        by_stage.push_back(train(comm, o));
+        const Outcome& r = by_stage.back();
+        STRATA_CHECK(r.worst < 1e-5, "rank ", rank, ", stage ", stage, ": parameters differ by ", r.worst);
+        std::printf("rank %d: stage %d model state between steps %llu bytes, sum of tier peaks %llu, device peak "
+                    "%llu, parameter gathers %lld\n",
+                    rank, stage, static_cast<unsigned long long>(r.between), static_cast<unsigned long long>(r.peaks),
+                    static_cast<unsigned long long>(r.device_peak), static_cast<long long>(r.gathers));
       }
-      const int64_t expected = static_cast<int64_t>(steps) * (static_cast<int64_t>(engine->num_families()) + 1);
-      STRATA_CHECK(engine->collectives() == expected, "issued ", engine->collectives(), " collectives, expected ",
-                   expected, " (one per family and one for the flags per step, none on accumulation micro-steps)");
-      const auto dev = engine->tier_stats(strata::memory::Tier::kDevice);
-      STRATA_CHECK(dev.peak <= dev.budget, "device peak over budget");
-    }  // detached: the module holds the trained weights
-    double worst = 0;
-    auto pa = reference->parameters();
-    auto pb = model->parameters();
-    for (size_t i = 0; i < pa.size(); ++i) {
-      worst = std::max(worst, ((pa[i] - pb[i]).norm() / pa[i].norm()).item<double>());
+      const double ratio = static_cast<double>(by_stage[3].between) / static_cast<double>(by_stage[0].between);
+      STRATA_CHECK(ratio <= 1.0 / world * 1.1, "rank ", rank, ": stage 3 keeps ", ratio,
+                   " of stage 0's model-state bytes, expected about 1/", world);
+      STRATA_CHECK(by_stage[1].between < by_stage[0].between && by_stage[3].between < by_stage[2].between,
+                   "sharding more did not keep fewer bytes");
+      std::printf("rank %d: stage 3 keeps %.3f of stage 0's model-state bytes (1/%d = %.3f)\n", rank, ratio, world,
+                  1.0 / world);
+      return 0;
     }
+    const Outcome r = train(comm, opt);
+    const double worst = r.worst;
     STRATA_CHECK(worst < 1e-5, "rank ", rank, ": parameters differ from single-process training by ", worst,
                  " (relative L2)");
-    std::printf("rank %d: data parallel matches single-process training (worst relative difference %.2e)\n", rank,
-                worst);
-    std::string cmd = "rm -rf " + nvme;
-    if (offload) std::system(cmd.c_str());
+    std::printf("rank %d: data parallel (ZeRO stage %d) matches single-process training (worst relative difference "
+                "%.2e)\n", rank, opt.stage, worst);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "dp_check: %s\n", e.what());
     return 1;

@@ -70,7 +70,7 @@ class Communicator {
   virtual WorkHandle reduce_scatter(const void* in, void* out, size_t count, DType dtype,
                                     ReduceOp op = ReduceOp::kSum) = 0;
   /// Every rank's `count` elements of `in`, in rank order, into `out`
-  /// (world_size * count elements).
+  /// (world_size * count elements). `in` may lie inside `out` (in place).
   virtual WorkHandle all_gather(const void* in, void* out, size_t count, DType dtype) = 0;
   /// Root's `count` elements of `buf` to every rank's `buf`.
   virtual WorkHandle broadcast(void* buf, size_t count, DType dtype, int root) = 0;

@@ -52,7 +52,8 @@ class Engine {
   /// parallel gradients]): rank 0's parameters are broadcast at attach, and
   /// gradients are averaged over ranks before every step.
   Engine(torch::nn::Module& module, AdamWConfig optimizer, EngineOptions options, std::shared_ptr<Communicator> comm);
-  /// Gives the parameters owned fp32 memory again (the master values).
+  /// Gives the parameters owned fp32 memory again (the master values). At
+  /// ZeRO stage 1-3 this gathers shards: every rank destroys its engine.
   ~Engine();
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
@@ -79,8 +80,14 @@ class Engine {
   DataWait data_wait() const;
   /// The lowest chunk budget the device-capacity rule set (budgets.device without it).
   uint64_t lowest_device_budget() const;
-  /// Collectives issued for data parallelism (gradient chunks and flags).
+  /// Collectives issued for data parallelism on the main communicator: the
+  /// parameter broadcast at attach, gradient reductions and flags, and at
+  /// ZeRO stages 1-2 the parameter all-gathers of the step.
   int64_t collectives() const;
+  /// ZeRO stage 3: all-gathers of parameter chunks for operators.
+  int64_t parameter_gathers() const;
+  /// The ZeRO stage in effect (0 with one rank; EngineOptions::zero_stage).
+  int zero_stage() const;
   /// Times the operator sequence diverged from the "auto" policy's plan and was planned again.
   int64_t replans() const;
 
@@ -88,14 +95,19 @@ class Engine {
   /// weights, optimizer state (wherever it lives, NVMe included), gradients
   /// mid-accumulation, step counts, the loss scaler and the RNG state,
   /// streamed chunk family by chunk family (docs/checkpoint.md). Placement
-  /// and budgets are not part of it.
+  /// and budgets are not part of it. Data parallel (any ZeRO stage) it is
+  /// collective: every rank calls it, sharded state is gathered family by
+  /// family, and rank 0 writes (Note [Checkpoints across ranks]).
   void save(const std::string& dir);
   /// Loads a checkpoint saved by save(), under any budgets and placement.
   /// Every file is verified against the manifest, and the parameter names,
   /// shapes and dtypes against this engine's, before anything changes.
+  /// Every rank calls it and reads its own part, whatever the ZeRO stage or
+  /// world size the checkpoint was saved with.
   void load(const std::string& dir);
   /// Writes the fp32 weights of every parameter (trainable or frozen) as a
   /// safetensors file named as module.named_parameters() names them.
+  /// Collective when data parallel: every rank calls it, rank 0 writes.
   void export_weights(const std::string& path);
 
   memory::ChunkManager& chunks();

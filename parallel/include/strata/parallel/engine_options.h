@@ -70,6 +70,12 @@ struct EngineOptions {
   uint64_t device_capacity = 0;
   double device_safety_ratio = 0.9;
   int trace_steps = 2;
+  /// ZeRO stage over the communicator's ranks (Note [ZeRO over chunks] in
+  /// engine_impl.h): 0 replicates everything (data parallel); 1 shards the
+  /// optimizer state and master weights; 2 also the gradients
+  /// (reduce-scattered); 3 also the parameters (gathered for the operators
+  /// that use them, with prefetch). Ignored with one rank (STRATA_ZERO_STAGE).
+  int zero_stage = 0;
   /// A safetensors file whose tensors initialise the module's parameters at
   /// attach, matched by named_parameters() name (STRATA_INIT_WEIGHTS).
   std::string init_weights;
@@ -81,7 +87,7 @@ struct EngineOptions {
   /// STRATA_NVME_OPTIM_FRACTION, STRATA_LOSS_SCALE (initial scale),
   /// STRATA_TRACE (trace path), STRATA_TRACE_STEPS, STRATA_POLICY,
   /// STRATA_STATIC_PARAM_FRACTION, STRATA_PREFETCH (0 or 1),
-  /// STRATA_DEVICE_CAPACITY, STRATA_INIT_WEIGHTS. A value
+  /// STRATA_DEVICE_CAPACITY, STRATA_INIT_WEIGHTS, STRATA_ZERO_STAGE. A value
   /// that does not parse is an error naming the variable.
   static EngineOptions from_env(EngineOptions base);
   /// Checks every option; throws strata::Error saying what to change.
