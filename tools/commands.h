@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <string>
 #include <utility>
+#include <vector>
 
 namespace strata::tools {
 
@@ -13,6 +14,9 @@ void add_bench_command(CLI::App& app);
 void add_trace_command(CLI::App& app);
 /// `strata run -n N -- PROGRAM`: local ranks with torchrun's variables.
 void add_run_command(CLI::App& app);
+/// Runs `command` as `n` local ranks, as `strata run -n n` does, their
+/// prefixed output on stderr; returns the exit code.
+int run_local_ranks(int n, const std::vector<std::string>& command);
 /// `strata bench nvme`, added to the `bench` subcommand.
 void add_bench_nvme_command(CLI::App& bench);
 /// `strata bench step` (needs LibTorch: built only with it).

@@ -40,6 +40,7 @@ struct RunOptions {
   int master_port = 0;  // 0: a free port (single node)
   double grace = 5.0;
   std::vector<std::string> command;
+  std::FILE* out = stdout;  // where the ranks' prefixed lines and the launcher's own go
 };
 
 int free_port() {
@@ -66,14 +67,14 @@ struct Rank {
   int status = 0;
 };
 
-void print_lines(Rank& r, const char* data, size_t n) {
+void print_lines(std::FILE* out, Rank& r, const char* data, size_t n) {
   r.partial.append(data, n);
   size_t start = 0;
   for (size_t nl; (nl = r.partial.find('\n', start)) != std::string::npos; start = nl + 1) {
-    fmt::print("[rank {}] {}\n", r.rank, std::string_view(r.partial).substr(start, nl - start));
+    fmt::print(out, "[rank {}] {}\n", r.rank, std::string_view(r.partial).substr(start, nl - start));
   }
   r.partial.erase(0, start);
-  std::fflush(stdout);
+  std::fflush(out);
 }
 
 int run_ranks(const RunOptions& o) {
@@ -110,7 +111,7 @@ int run_ranks(const RunOptions& o) {
     ::close(fds[1]);
     r.out = fds[0];
   }
-  fmt::print("strata run: {} ranks ({} on this node), MASTER_ADDR={} MASTER_PORT={}\n", world, o.nproc,
+  fmt::print(o.out, "strata run: {} ranks ({} on this node), MASTER_ADDR={} MASTER_PORT={}\n", world, o.nproc,
              o.master_addr, port);
   std::fflush(stdout);
 
@@ -140,9 +141,9 @@ int run_ranks(const RunOptions& o) {
       if (!ready) continue;
       const ssize_t n = ::read(r.out, buf, sizeof buf);
       if (n > 0) {
-        print_lines(r, buf, static_cast<size_t>(n));
+        print_lines(o.out, r, buf, static_cast<size_t>(n));
       } else if (n == 0 || (errno != EAGAIN && errno != EINTR)) {
-        if (!r.partial.empty()) print_lines(r, "\n", 1);
+        if (!r.partial.empty()) print_lines(o.out, r, "\n", 1);
         ::close(r.out);
         r.out = -1;
       }
@@ -186,6 +187,14 @@ int run_ranks(const RunOptions& o) {
 }
 
 }  // namespace
+
+int run_local_ranks(int n, const std::vector<std::string>& command) {
+  RunOptions o;
+  o.nproc = n;
+  o.command = command;
+  o.out = stderr;  // the caller's stdout stays its own (a report, JSON)
+  return run_ranks(o);
+}
 
 void add_run_command(CLI::App& app) {
   auto* cmd = app.add_subcommand("run", "Start the ranks of a distributed job on this node (torchrun's variables)");
