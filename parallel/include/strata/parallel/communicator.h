@@ -2,8 +2,8 @@
 // Communicator: collectives between ranks, on contiguous buffers (chunks) and
 // on tensors, with asynchronous handles and a timeout on every operation.
 //
-// Backends: Gloo (host memory, TCP; make_gloo_communicator) now; NCCL on GPU
-// streams is the next backend (it needs a GPU to test). Rendezvous reads the
+// Backends: Gloo (host memory, TCP; make_gloo_communicator) and NCCL (device
+// memory, on a CUDA stream; make_nccl_communicator, built with CUDA and NCCL). Rendezvous reads the
 // variables torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
 // MASTER_ADDR, MASTER_PORT), or Slurm's, and meets through LibTorch's c10d
 // TCPStore; `strata run` (tools/run.cpp) starts local ranks with them.
@@ -116,5 +116,15 @@ struct CommunicatorOptions {
 /// A Gloo communicator for `r`: meets the other ranks through a c10d TCPStore
 /// at master_addr:master_port (rank 0 serves it) and connects a full mesh.
 std::unique_ptr<Communicator> make_gloo_communicator(const Rendezvous& r, CommunicatorOptions options = {});
+
+/// An NCCL communicator over `bootstrap`'s ranks, on CUDA device `device`
+/// (usually the local rank): collectives on device buffers, fp32, fp16 and
+/// bf16 (Note [NCCL communicator] in nccl_communicator.cpp). `bootstrap`
+/// (Gloo) carries the unique id and later splits. Throws in a build without
+/// NCCL.
+std::unique_ptr<Communicator> make_nccl_communicator(std::shared_ptr<Communicator> bootstrap, int device,
+                                                     CommunicatorOptions options = {});
+/// Whether this build has NCCL and the process sees a GPU.
+bool nccl_available();
 
 }  // namespace strata::parallel

@@ -1,0 +1,304 @@
+// The NCCL communicator (communicator.h): NCCL's collectives on device
+// buffers, enqueued on a CUDA stream of the communicator's own.
+//
+// Note [NCCL communicator]
+// - Rendezvous: rank 0 creates the NCCL unique id and broadcasts it over a
+//   bootstrap communicator (Gloo, which has a store and timeouts), then every
+//   rank calls ncclCommInitRank on its device. split() splits the bootstrap
+//   the same way and builds a new NCCL communicator over the group.
+// - Order: operations are enqueued on the communicator's stream in issue
+//   order (Note [Collectives are issued in order]). The stream is a blocking
+//   one, so it runs after work already queued on the legacy default stream
+//   (where LibTorch computes unless told otherwise); callers that compute on
+//   other streams must synchronise them first.
+// - Completion and timeouts: each operation records a CUDA event. Work::wait
+//   polls it and ncclCommGetAsyncError; an operation not done within the
+//   timeout aborts the NCCL communicator (ncclCommAbort, which also frees
+//   kernels waiting for a dead peer) and fails with an Error naming it; the
+//   communicator is then broken, as the Gloo one.
+// - Dtypes: fp32, fp16 and bf16 (NCCL reduces all three, unlike Gloo).
+// - send/recv match by order between a pair of ranks; the tag is checked by
+//   nobody (NCCL has none).
+// Built when CUDA and NCCL are found (STRATA_HAVE_NCCL); it needs a GPU per
+// rank to run, and its test skips without one.
+#include <fmt/format.h>
+
+#include <chrono>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "strata/core/error.h"
+#include "strata/parallel/communicator.h"
+
+#if defined(STRATA_HAVE_NCCL)
+#include <cuda_runtime.h>
+#include <nccl.h>
+#endif
+
+namespace strata::parallel {
+
+#if defined(STRATA_HAVE_NCCL)
+namespace {
+
+#define STRATA_CUDA_OK(expr)                                                                   \
+  do {                                                                                         \
+    const cudaError_t err_ = (expr);                                                           \
+    STRATA_CHECK(err_ == cudaSuccess, #expr, " failed: ", cudaGetErrorString(err_));           \
+  } while (0)
+
+ncclDataType_t nccl_dtype(DType d) {
+  switch (d) {
+    case DType::kFloat32: return ncclFloat32;
+    case DType::kFloat16: return ncclFloat16;
+    case DType::kBFloat16: return ncclBfloat16;
+  }
+  STRATA_FAIL("unknown dtype");
+}
+
+ncclRedOp_t nccl_op(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum: return ncclSum;
+    case ReduceOp::kMax: return ncclMax;
+    case ReduceOp::kMin: return ncclMin;
+  }
+  STRATA_FAIL("unknown reduction");
+}
+
+const char* op_name(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum: return "sum";
+    case ReduceOp::kMax: return "max";
+    case ReduceOp::kMin: return "min";
+  }
+  return "?";
+}
+
+// What the communicator and its Work handles share: the NCCL communicator,
+// its stream, and the broken state after a failure or timeout.
+struct NcclState {
+  ncclComm_t comm = nullptr;
+  cudaStream_t stream = nullptr;
+  int device = 0;
+  int rank = 0;
+  int size = 1;
+  std::chrono::milliseconds timeout{0};
+  std::mutex mu;
+  std::string broken;  // non-empty once an operation failed
+
+  ~NcclState() {
+    if (comm != nullptr) {
+      if (broken.empty()) {
+        ncclCommDestroy(comm);
+      } else {
+        ncclCommAbort(comm);
+      }
+    }
+    if (stream != nullptr) cudaStreamDestroy(stream);
+  }
+};
+
+class NcclWork final : public Work {
+ public:
+  NcclWork(std::shared_ptr<NcclState> state, cudaEvent_t event, std::string what)
+      : state_(std::move(state)), event_(event), what_(std::move(what)) {}
+  ~NcclWork() override {
+    if (event_ != nullptr) cudaEventDestroy(event_);
+  }
+
+  void wait() override {
+    if (done_) return rethrow();
+    const auto deadline = std::chrono::steady_clock::now() + state_->timeout;
+    for (;;) {
+      const cudaError_t q = cudaEventQuery(event_);
+      if (q == cudaSuccess) {
+        done_ = true;
+        return;
+      }
+      if (q != cudaErrorNotReady) {
+        return fail(fmt::format("CUDA error {}", cudaGetErrorString(q)));
+      }
+      ncclResult_t async = ncclSuccess;
+      ncclCommGetAsyncError(state_->comm, &async);
+      if (async != ncclSuccess && async != ncclInProgress) return fail(ncclGetErrorString(async));
+      if (std::chrono::steady_clock::now() >= deadline) {
+        return fail(fmt::format("timed out (timeout {} ms); a peer has died, or is stuck before issuing the same "
+                                "collective", state_->timeout.count()));
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+  bool done() const override { return done_ || cudaEventQuery(event_) != cudaErrorNotReady; }
+
+ private:
+  void fail(const std::string& why) {
+    done_ = true;
+    error_ = fmt::format("{} on rank {} of {} failed: {}", what_, state_->rank, state_->size, why);
+    std::lock_guard<std::mutex> lock(state_->mu);
+    if (state_->broken.empty()) {
+      state_->broken = fmt::format("the communicator broke at an earlier {}", what_);
+      ncclCommAbort(state_->comm);  // frees kernels still waiting for peers
+      state_->comm = nullptr;
+    }
+    rethrow();
+  }
+  void rethrow() const {
+    if (!error_.empty()) throw Error(error_, __FILE__, __LINE__);
+  }
+
+  std::shared_ptr<NcclState> state_;
+  cudaEvent_t event_ = nullptr;
+  std::string what_;
+  bool done_ = false;
+  std::string error_;
+};
+
+class NcclCommunicator final : public Communicator {
+ public:
+  NcclCommunicator(std::shared_ptr<Communicator> bootstrap, int device, CommunicatorOptions options)
+      : bootstrap_(std::move(bootstrap)), options_(options), state_(std::make_shared<NcclState>()) {
+    NcclState& s = *state_;
+    s.device = device;
+    s.rank = bootstrap_->rank();
+    s.size = bootstrap_->world_size();
+    s.timeout = options.timeout;
+    ncclUniqueId id;
+    std::memset(&id, 0, sizeof id);
+    if (s.rank == 0) {
+      const ncclResult_t r = ncclGetUniqueId(&id);
+      STRATA_CHECK(r == ncclSuccess, "ncclGetUniqueId failed: ", ncclGetErrorString(r));
+    }
+    static_assert(sizeof(ncclUniqueId) % sizeof(float) == 0, "the id travels as fp32 words");
+    bootstrap_->broadcast(&id, sizeof id / sizeof(float), DType::kFloat32, 0)->wait();
+    STRATA_CUDA_OK(cudaSetDevice(device));
+    STRATA_CUDA_OK(cudaStreamCreate(&s.stream));
+    const ncclResult_t r = ncclCommInitRank(&s.comm, s.size, id, s.rank);
+    STRATA_CHECK(r == ncclSuccess, "ncclCommInitRank on rank ", s.rank, " of ", s.size, " (device ", device,
+                 ") failed: ", ncclGetErrorString(r), "; every rank needs a GPU of its own");
+  }
+
+  int rank() const override { return state_->rank; }
+  int world_size() const override { return state_->size; }
+  std::string backend() const override { return "nccl"; }
+
+  WorkHandle all_reduce(void* buf, size_t count, DType dtype, ReduceOp op) override {
+    return enqueue(fmt::format("all_reduce ({}) of {} {}", op_name(op), count, dtype_name(dtype)), [&](ncclComm_t c, cudaStream_t st) {
+      return ncclAllReduce(buf, buf, count, nccl_dtype(dtype), nccl_op(op), c, st);
+    });
+  }
+  WorkHandle reduce_scatter(const void* in, void* out, size_t count, DType dtype, ReduceOp op) override {
+    return enqueue(fmt::format("reduce_scatter ({}) of {} x {} {}", op_name(op), world_size(), count, dtype_name(dtype)),
+                   [&](ncclComm_t c, cudaStream_t st) {
+                     return ncclReduceScatter(in, out, count, nccl_dtype(dtype), nccl_op(op), c, st);
+                   });
+  }
+  WorkHandle all_gather(const void* in, void* out, size_t count, DType dtype) override {
+    return enqueue(fmt::format("all_gather of {} x {} {}", world_size(), count, dtype_name(dtype)),
+                   [&](ncclComm_t c, cudaStream_t st) { return ncclAllGather(in, out, count, nccl_dtype(dtype), c, st); });
+  }
+  WorkHandle broadcast(void* buf, size_t count, DType dtype, int root) override {
+    STRATA_CHECK(root >= 0 && root < world_size(), "broadcast root ", root, " is not a rank of ", world_size());
+    return enqueue(fmt::format("broadcast from rank {} of {} {}", root, count, dtype_name(dtype)),
+                   [&](ncclComm_t c, cudaStream_t st) {
+                     return ncclBroadcast(buf, buf, count, nccl_dtype(dtype), root, c, st);
+                   });
+  }
+  WorkHandle all_to_all(const void* in, void* out, size_t count, DType dtype) override {
+    const size_t bytes = count * dtype_size(dtype);
+    return enqueue(fmt::format("all_to_all of {} x {} {}", world_size(), count, dtype_name(dtype)),
+                   [&](ncclComm_t c, cudaStream_t st) {
+                     ncclResult_t r = ncclGroupStart();
+                     for (int peer = 0; peer < world_size() && r == ncclSuccess; ++peer) {
+                       r = ncclSend(static_cast<const char*>(in) + peer * bytes, count, nccl_dtype(dtype), peer, c, st);
+                       if (r == ncclSuccess) {
+                         r = ncclRecv(static_cast<char*>(out) + peer * bytes, count, nccl_dtype(dtype), peer, c, st);
+                       }
+                     }
+                     const ncclResult_t end = ncclGroupEnd();
+                     return r != ncclSuccess ? r : end;
+                   });
+  }
+  WorkHandle send(const void* buf, size_t bytes, int peer, uint32_t tag) override {
+    check_peer(peer);
+    return enqueue(fmt::format("send of {} bytes to rank {} (tag {})", bytes, peer, tag),
+                   [&](ncclComm_t c, cudaStream_t st) { return ncclSend(buf, bytes, ncclUint8, peer, c, st); });
+  }
+  WorkHandle recv(void* buf, size_t bytes, int peer, uint32_t tag) override {
+    check_peer(peer);
+    return enqueue(fmt::format("recv of {} bytes from rank {} (tag {})", bytes, peer, tag),
+                   [&](ncclComm_t c, cudaStream_t st) { return ncclRecv(buf, bytes, ncclUint8, peer, c, st); });
+  }
+  WorkHandle barrier() override {
+    if (scratch_ == nullptr) {
+      STRATA_CUDA_OK(cudaSetDevice(state_->device));
+      STRATA_CUDA_OK(cudaMalloc(&scratch_, sizeof(float)));
+    }
+    return enqueue("barrier", [&](ncclComm_t c, cudaStream_t st) {
+      return ncclAllReduce(scratch_, scratch_, 1, ncclFloat32, ncclSum, c, st);
+    });
+  }
+
+  std::unique_ptr<Communicator> split(const std::vector<int>& ranks, const std::string& name) override {
+    std::shared_ptr<Communicator> group = bootstrap_->split(ranks, name);
+    return std::make_unique<NcclCommunicator>(std::move(group), state_->device, options_);
+  }
+
+  ~NcclCommunicator() override {
+    if (scratch_ != nullptr) cudaFree(scratch_);
+  }
+
+ private:
+  void check_peer(int peer) const {
+    STRATA_CHECK(peer >= 0 && peer < world_size() && peer != rank(), "peer ", peer, " is not another rank of ",
+                 world_size());
+  }
+
+  template <typename Fn>
+  WorkHandle enqueue(const std::string& what, Fn fn) {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    STRATA_CHECK(state_->broken.empty(), what, ": ", state_->broken, " on rank ", state_->rank, " of ",
+                 state_->size);
+    STRATA_CUDA_OK(cudaSetDevice(state_->device));
+    const ncclResult_t r = fn(state_->comm, state_->stream);
+    STRATA_CHECK(r == ncclSuccess, what, " on rank ", state_->rank, " of ", state_->size, " could not be issued: ",
+                 ncclGetErrorString(r));
+    cudaEvent_t event = nullptr;
+    STRATA_CUDA_OK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+    STRATA_CUDA_OK(cudaEventRecord(event, state_->stream));
+    return std::make_shared<NcclWork>(state_, event, what);
+  }
+
+  std::shared_ptr<Communicator> bootstrap_;
+  CommunicatorOptions options_;
+  std::shared_ptr<NcclState> state_;
+  void* scratch_ = nullptr;
+};
+
+}  // namespace
+
+bool nccl_available() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+std::unique_ptr<Communicator> make_nccl_communicator(std::shared_ptr<Communicator> bootstrap, int device,
+                                                     CommunicatorOptions options) {
+  STRATA_CHECK(bootstrap != nullptr, "the NCCL communicator needs a bootstrap communicator (Gloo)");
+  return std::make_unique<NcclCommunicator>(std::move(bootstrap), device, options);
+}
+
+#else  // no NCCL in this build
+
+bool nccl_available() { return false; }
+
+std::unique_ptr<Communicator> make_nccl_communicator(std::shared_ptr<Communicator>, int, CommunicatorOptions) {
+  STRATA_FAIL("this strata was built without NCCL (CUDA and NCCL were not found at configure time); use the Gloo "
+              "communicator");
+}
+
+#endif
+
+}  // namespace strata::parallel
