@@ -3,6 +3,7 @@
 //   dp_check [--zero-stage S] [--offload] [--accumulation K] [--unused]
 //   dp_check --memory
 //   dp_check --checkpoint DIR --zero-stage S --load-stage T
+//   dp_check --fp16
 //   --zero-stage    ZeRO stage 0-3 (Note [ZeRO over chunks])
 //   --offload       device budget a quarter of the model state, optimizer state on NVMe
 //   --accumulation  K micro-steps per step (communication only on the last)
@@ -15,6 +16,10 @@
 //                   exports the weights; then a fresh model loads DIR at stage T
 //                   and trains the same 2 steps: parameters, each rank's RNG
 //                   stream and the exported weights must match
+//   --fp16          an fp16 model (master weights, loss scaling) at stages 1-3
+//                   against stage 0, with tensors spanning shards
+//   --die-at-step K rank 1 dies in the middle of step K (the launcher must
+//                   stop the others and name it)
 // Prints "rank R: data parallel matches single-process training (...)" or fails.
 #include <torch/torch.h>
 #include <unistd.h>
@@ -53,6 +58,7 @@ struct Options {
   bool offload = false, unused = false;
   int accumulation = 1;
   int64_t chunk_elems = 64 * 64 + 64;  // shards of unaligned size at 2 and 4 ranks
+  int die_at_step = -1;
 };
 
 struct Outcome {
@@ -114,7 +120,11 @@ Outcome train(const std::shared_ptr<Communicator>& comm, const Options& opt) {
         }
         (ref / (world * opt.accumulation)).backward();
         const torch::Tensor xr = x.slice(0, rank * batch, (rank + 1) * batch), yr = y.slice(0, rank * batch, (rank + 1) * batch);
-        engine->train_step([&] { return torch::mse_loss(model->forward(xr, uses_side(rank)), yr); });
+        engine->train_step([&] {
+          torch::Tensor loss = torch::mse_loss(model->forward(xr, uses_side(rank)), yr);
+          if (s == opt.die_at_step && rank == 1) std::_Exit(3);  // after forward, before backward's collectives
+          return loss;
+        });
       }
       adamw.step();
     }
@@ -145,6 +155,45 @@ Outcome train(const std::shared_ptr<Communicator>& comm, const Options& opt) {
     out.worst = std::max(out.worst, ((pa[i] - pb[i]).norm() / pa[i].norm()).item<double>());
   }
   if (opt.offload) std::filesystem::remove_all(nvme);
+  return out;
+}
+
+// Elementwise operators and an embedding: what LibTorch 1.13 runs in fp16 on CPU.
+struct Scaler : torch::nn::Module {
+  torch::nn::Embedding emb{nullptr};
+  torch::Tensor gain, bias;
+  Scaler() {
+    emb = register_module("emb", torch::nn::Embedding(64, 32));
+    gain = register_parameter("gain", torch::ones({32}));
+    bias = register_parameter("bias", torch::zeros({32}));
+  }
+  torch::Tensor forward(const torch::Tensor& tokens) { return emb->forward(tokens) * gain + bias; }
+};
+
+// Trains Scaler in fp16 at `stage`; returns the trained fp32 parameters.
+std::vector<torch::Tensor> train_fp16(const std::shared_ptr<Communicator>& comm, int stage) {
+  torch::manual_seed(3);
+  auto model = std::make_shared<Scaler>();
+  EngineOptions o;
+  o.precision = strata::DType::kFloat16;
+  o.zero_stage = stage;
+  o.chunk_elems = 1000;  // the embedding gets a chunk of its own, split across every rank's shard
+  o.budgets = {1 << 20, 4 << 20, 0};
+  AdamWConfig cfg;
+  cfg.lr = 1e-2f;
+  {
+    auto engine = attach(*model, cfg, o, comm);
+    torch::manual_seed(21);
+    const torch::Tensor table = torch::randn({64, 32}) * 0.5;
+    for (int s = 0; s < 6; ++s) {
+      torch::manual_seed(40 + s * 7 + comm->rank());
+      const torch::Tensor tokens = torch::randint(0, 64, {8, 4});
+      const torch::Tensor target = table.index_select(0, tokens.flatten()).view({8, 4, 32}).to(torch::kFloat16);
+      engine->train_step([&] { return (model->forward(tokens) - target).pow(2).mean().to(torch::kFloat32); });
+    }
+  }
+  std::vector<torch::Tensor> out;
+  for (const auto& p : model->parameters()) out.push_back(p.detach().clone());
   return out;
 }
 
@@ -210,6 +259,7 @@ void checkpoint_check(const std::shared_ptr<Communicator>& comm, int save_stage,
 
 int main(int argc, char** argv) {
   Options opt;
+  bool fp16 = false;
   std::string checkpoint;
   int load_stage = 0;
   bool memory = false;
@@ -218,6 +268,8 @@ int main(int argc, char** argv) {
     if (a == "--offload") opt.offload = true;
     if (a == "--unused") opt.unused = true;
     if (a == "--memory") memory = true;
+    if (a == "--fp16") fp16 = true;
+    if (a == "--die-at-step" && i + 1 < argc) opt.die_at_step = std::atoi(argv[++i]);
     if (a == "--accumulation" && i + 1 < argc) opt.accumulation = std::atoi(argv[++i]);
     if (a == "--zero-stage" && i + 1 < argc) opt.stage = std::atoi(argv[++i]);
     if (a == "--load-stage" && i + 1 < argc) load_stage = std::atoi(argv[++i]);
@@ -228,6 +280,20 @@ int main(int argc, char** argv) {
     const int rank = comm->rank(), world = comm->world_size();
     if (!checkpoint.empty()) {
       checkpoint_check(comm, opt.stage, load_stage, checkpoint);
+      return 0;
+    }
+    if (fp16) {
+      const std::vector<torch::Tensor> base = train_fp16(comm, 0);
+      for (int stage = 1; stage <= 3; ++stage) {
+        const std::vector<torch::Tensor> got = train_fp16(comm, stage);
+        double worst = 0;
+        for (size_t i = 0; i < base.size(); ++i) {
+          worst = std::max(worst, ((got[i] - base[i]).norm() / base[i].norm()).item<double>());
+        }
+        STRATA_CHECK(worst < 1e-3, "rank ", rank, ": fp16 at stage ", stage, " differs from stage 0 by ", worst);
+        std::printf("rank %d: fp16 at ZeRO stage %d matches stage 0 (worst relative difference %.2e)\n", rank, stage,
+                    worst);
+      }
       return 0;
     }
     if (memory) {
