@@ -84,7 +84,9 @@ class Communicator {
 
   /// A communicator for the group of `ranks` (ranks of this communicator; the
   /// new one numbers them in the order given). Every member calls it with the
-  /// same list and a `name` unique to the group; other ranks do not.
+  /// same list and a `name` unique to the group and never used for an
+  /// earlier split of this world (its rendezvous keys would be stale); other
+  /// ranks do not.
   virtual std::unique_ptr<Communicator> split(const std::vector<int>& ranks, const std::string& name) = 0;
 };
 
