@@ -252,6 +252,7 @@ int64_t Engine::micro_steps() const { return impl_->micro_steps; }
 int64_t Engine::replans() const { return impl_->replans; }
 int64_t Engine::collectives() const { return impl_->collectives; }
 int64_t Engine::parameter_gathers() const { return impl_->gathers; }
+int64_t Engine::parameter_gathers_ahead() const { return impl_->gathers_ahead; }
 int Engine::zero_stage() const { return impl_->stage; }
 Engine::DataWait Engine::data_wait() const { return impl_->wait; }
 uint64_t Engine::lowest_device_budget() const {

@@ -256,6 +256,7 @@ struct Engine::Impl : OpObserver {
   bool gather_diverged = false;
   int64_t gather_cursor = 0;
   int64_t gathers = 0;
+  int64_t gathers_ahead = 0;  // of those, issued for a later operator than the one about to run
   std::vector<size_t> grads_arrived;  // per family position; complete at params_of_chunk[its param chunk].size()
   std::vector<WorkHandle> reductions;              // per family position; null: not issued yet
   std::vector<bool> reduced;                       // per family position: waited for and unpinned
@@ -460,7 +461,9 @@ struct Engine::Impl : OpObserver {
     }
     for (ChunkId c : window) {
       const bool held = std::any_of(gathered.begin(), gathered.end(), [&](const auto& g) { return g.first == c; });
-      if (!held) start_gather(c);
+      if (held) continue;
+      start_gather(c);
+      if (std::find(chunks.begin(), chunks.end(), c) == chunks.end()) gathers_ahead += 1;
     }
     for (auto& [c, g] : gathered) {
       if (std::find(chunks.begin(), chunks.end(), c) != chunks.end()) finish_gather(g, c);

@@ -67,6 +67,7 @@ struct Outcome {
   uint64_t peaks = 0;         // sum of the tiers' peaks
   uint64_t device_peak = 0;
   int64_t gathers = 0;
+  int64_t gathers_ahead = 0;
 };
 
 // Trains a fresh model on every rank and its single-process reference.
@@ -140,6 +141,11 @@ Outcome train(const std::shared_ptr<Communicator>& comm, const Options& opt) {
                  expected);
     STRATA_CHECK((engine->parameter_gathers() > 0) == (opt.stage == 3), "stage ", opt.stage, " gathered parameters ",
                  engine->parameter_gathers(), " times");
+    // From the second step the recorded operator sequence drives prefetch:
+    // some gathers are issued before the operator that needs them.
+    STRATA_CHECK((engine->parameter_gathers_ahead() > 0) == (opt.stage == 3), "stage ", opt.stage, " prefetched ",
+                 engine->parameter_gathers_ahead(), " of ", engine->parameter_gathers(), " parameter gathers");
+    out.gathers_ahead = engine->parameter_gathers_ahead();
     const auto dev = engine->tier_stats(strata::memory::Tier::kDevice);
     STRATA_CHECK(dev.peak <= dev.budget, "device peak over budget");
     for (auto t : {strata::memory::Tier::kDevice, strata::memory::Tier::kHost, strata::memory::Tier::kNvme}) {
@@ -323,6 +329,10 @@ int main(int argc, char** argv) {
     }
     const Outcome r = train(comm, opt);
     const double worst = r.worst;
+    if (opt.stage == 3) {
+      std::printf("rank %d: %lld parameter gathers, %lld of them prefetched\n", rank, static_cast<long long>(r.gathers),
+                  static_cast<long long>(r.gathers_ahead));
+    }
     STRATA_CHECK(worst < 1e-5, "rank ", rank, ": parameters differ from single-process training by ", worst,
                  " (relative L2)");
     std::printf("rank %d: data parallel (ZeRO stage %d) matches single-process training (worst relative difference "

@@ -84,8 +84,10 @@ class Engine {
   /// parameter broadcast at attach, gradient reductions and flags, and at
   /// ZeRO stages 1-2 the parameter all-gathers of the step.
   int64_t collectives() const;
-  /// ZeRO stage 3: all-gathers of parameter chunks for operators.
+  /// ZeRO stage 3: all-gathers of parameter chunks for operators, and how
+  /// many of them were prefetches (issued before the operator that needs them).
   int64_t parameter_gathers() const;
+  int64_t parameter_gathers_ahead() const;
   /// The ZeRO stage in effect (0 with one rank; EngineOptions::zero_stage).
   int zero_stage() const;
   /// Times the operator sequence diverged from the "auto" policy's plan and was planned again.
