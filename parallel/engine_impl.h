@@ -235,7 +235,7 @@ struct Engine::Impl : OpObserver {
   //   own so gathers never interleave with gradient reductions) and pinned
   //   there; gathered chunks outside the window (this operator's chunks and,
   //   once a step has recorded the operator sequence, the next
-  //   kPrefetchLookaheadOps operators', within half the device budget) are
+  //   kPrefetchLookaheadOps operators', within the device budget) are
   //   released. Gathers for the window are issued ahead, so they overlap the
   //   operators before them. Every decision is a function of the operator
   //   sequence and the chunk sizes, never of timing or free bytes, so every
@@ -435,6 +435,10 @@ struct Engine::Impl : OpObserver {
       }
       gather_cursor += 1;
       if (!gather_recording && !gather_diverged && options.prefetch) {
+        // At stage 3 gathered chunks are all the device tier holds; with
+        // device_capacity the budget moves with activations, so prefetch
+        // keeps to half of it.
+        const uint64_t room = options.device_capacity > 0 ? options.budgets.device / 2 : options.budgets.device;
         uint64_t bytes = 0;
         for (ChunkId c : window) bytes += mgr->chunk(c).alloc_bytes();
         const int64_t end = std::min<int64_t>(gather_cursor + memory::kPrefetchLookaheadOps - 1,
@@ -443,7 +447,7 @@ struct Engine::Impl : OpObserver {
           for (ChunkId c : gather_plan[k]) {
             if (std::find(window.begin(), window.end(), c) != window.end()) continue;
             bytes += mgr->chunk(c).alloc_bytes();
-            if (bytes > options.budgets.device / 2) break;
+            if (bytes > room) break;
             window.push_back(c);
           }
         }
