@@ -91,6 +91,7 @@ Engine::Engine(torch::nn::Module& module, AdamWConfig optimizer, EngineOptions o
     reg = s.mgr->register_tensors(specs, spec, memory::ChunkSizeSearch{1 << 16, 64 << 20, 1 << 14, 1});
   }
   s.families = reg.families;
+  if (s.data_parallel()) s.check_same_layout_on_every_rank();  // before any collective pairs buffers
   s.place_optimizer_state();
   if (s.placement != nullptr) {
     std::vector<std::pair<ChunkId, uint64_t>> param_chunks;

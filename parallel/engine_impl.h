@@ -460,6 +460,10 @@ struct Engine::Impl : OpObserver {
         continue;
       }
       finish_gather(gathered[i].second, c);
+      if (!mgr->chunk(c).movable()) {  // an enclosing operator still computes on it
+        ++i;
+        continue;
+      }
       mgr->release(c);
       gathered.erase(gathered.begin() + static_cast<std::ptrdiff_t>(i));
     }
@@ -858,6 +862,42 @@ struct Engine::Impl : OpObserver {
     }
     if (failure) std::rethrow_exception(failure);
     for (size_t i = 0; i < params.size(); ++i) params[i].has_grad = used[i] > 0.0f;
+  }
+
+  // Every rank must pack the parameters into the same chunk families and plan
+  // the same stage-3 gathers, or their collectives would pair the wrong
+  // buffers: the layout and the options the gather schedule depends on are
+  // compared across ranks at attach.
+  void check_same_layout_on_every_rank() {
+    std::vector<double> mine = {static_cast<double>(families.size()), static_cast<double>(stage),
+                                static_cast<double>(options.budgets.device), options.prefetch ? 1.0 : 0.0,
+                                options.device_capacity > 0 ? 1.0 : 0.0};
+    double weighted = 0, total = 0;
+    for (size_t i = 0; i < families.size(); ++i) {
+      const double cap = static_cast<double>(mgr->family(families[i]).layout->capacity_elems);
+      total += cap;
+      weighted += cap * static_cast<double>(i + 1);
+    }
+    mine.push_back(total);
+    mine.push_back(weighted);
+    double numel = 0;
+    for (const Param& p : params) numel += static_cast<double>(p.numel);
+    mine.push_back(static_cast<double>(params.size()));
+    mine.push_back(numel);
+    std::vector<double> all(mine.size() * static_cast<size_t>(world()));
+    comm->all_gather(mine.data(), all.data(), mine.size() * sizeof(double) / sizeof(float), DType::kFloat32)->wait();
+    for (int r = 0; r < world(); ++r) {
+      const double* theirs = all.data() + static_cast<size_t>(r) * mine.size();
+      STRATA_CHECK(std::equal(mine.begin(), mine.end(), theirs), "rank ", rank, " packs ", params.size(),
+                   " parameters (", static_cast<int64_t>(numel), " elements) into ", families.size(),
+                   " chunk families of ", static_cast<int64_t>(total),
+                   " elements (ZeRO stage ", stage, ", device budget ", format_bytes(options.budgets.device),
+                   ") but rank ", r, " packs ", static_cast<int64_t>(theirs[7]), " (", static_cast<int64_t>(theirs[8]),
+                   " elements) into ", static_cast<int64_t>(theirs[0]), " of ",
+                   static_cast<int64_t>(theirs[5]), " (stage ", static_cast<int>(theirs[1]), ", device budget ",
+                   format_bytes(static_cast<uint64_t>(theirs[2])), "); every rank needs the same model, chunk_elems, "
+                   "zero_stage, device budget, prefetch and device_capacity setting");
+    }
   }
 
   // Gradient chunks are dropped, not zeroed: the next backward materialises

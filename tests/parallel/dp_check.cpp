@@ -20,6 +20,7 @@
 //                   against stage 0, with tensors spanning shards
 //   --die-at-step K rank 1 dies in the middle of step K (the launcher must
 //                   stop the others and name it)
+//   --mismatch      rank 1 has another device budget: attach refuses on every rank
 // Prints "rank R: data parallel matches single-process training (...)" or fails.
 #include <torch/torch.h>
 #include <unistd.h>
@@ -59,6 +60,7 @@ struct Options {
   int accumulation = 1;
   int64_t chunk_elems = 64 * 64 + 64;  // shards of unaligned size at 2 and 4 ranks
   int die_at_step = -1;
+  bool mismatch = false;  // rank 1 has another device budget: attach must refuse on every rank
 };
 
 struct Outcome {
@@ -100,6 +102,7 @@ Outcome train(const std::shared_ptr<Communicator>& comm, const Options& opt) {
     o.nvme_dir = nvme;
     o.nvme_optim_fraction = 1.0;
   }
+  if (opt.mismatch && rank == 1) o.budgets.device += 4096;
   // Stage 3 gathers parameters for operators: every rank must use the same ones.
   const auto uses_side = [&](int r) { return opt.unused && r == 0 && opt.stage < 3; };
   const int steps = 5, batch = 8;
@@ -275,6 +278,7 @@ int main(int argc, char** argv) {
     if (a == "--unused") opt.unused = true;
     if (a == "--memory") memory = true;
     if (a == "--fp16") fp16 = true;
+    if (a == "--mismatch") opt.mismatch = true;
     if (a == "--die-at-step" && i + 1 < argc) opt.die_at_step = std::atoi(argv[++i]);
     if (a == "--accumulation" && i + 1 < argc) opt.accumulation = std::atoi(argv[++i]);
     if (a == "--zero-stage" && i + 1 < argc) opt.stage = std::atoi(argv[++i]);
