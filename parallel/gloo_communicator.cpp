@@ -83,14 +83,6 @@ ReduceFn reduce_fn(ReduceOp op) {
   STRATA_FAIL("unknown reduce op");
 }
 
-const char* op_name(ReduceOp op) {
-  switch (op) {
-    case ReduceOp::kSum: return "sum";
-    case ReduceOp::kMax: return "max";
-    case ReduceOp::kMin: return "min";
-  }
-  return "?";
-}
 
 // See Note [Collectives are issued in order].
 class GlooCommunicator final : public Communicator {
@@ -172,7 +164,7 @@ class GlooCommunicator final : public Communicator {
   std::string backend() const override { return "gloo"; }
 
   WorkHandle all_reduce(void* buf, size_t count, DType dtype, ReduceOp op) override {
-    const std::string what = fmt::format("all_reduce ({}) of {} {}", op_name(op), count, dtype_name(dtype));
+    const std::string what = fmt::format("all_reduce ({}) of {} {}", reduce_op_name(op), count, dtype_name(dtype));
     check_reducible(dtype, what);
     return submit(what, count, [=](uint32_t tag) {
       gloo::AllreduceOptions o(context_);
@@ -195,7 +187,7 @@ class GlooCommunicator final : public Communicator {
   // does. (Gloo's ReduceScatterHalvingDoubling leaves the blocks of some ranks
   // in bit-reversed places for world sizes above 2; the tests caught it.)
   WorkHandle reduce_scatter(const void* in, void* out, size_t count, DType dtype, ReduceOp op) override {
-    const std::string what = fmt::format("reduce_scatter ({}) of {} x {} {}", op_name(op), size_, count, dtype_name(dtype));
+    const std::string what = fmt::format("reduce_scatter ({}) of {} x {} {}", reduce_op_name(op), size_, count, dtype_name(dtype));
     check_reducible(dtype, what);
     const size_t esize = dtype_size(dtype);
     return submit(what, count, [=](uint32_t tag) {

@@ -68,14 +68,6 @@ ncclRedOp_t nccl_op(ReduceOp op) {
   STRATA_FAIL("unknown reduction");
 }
 
-const char* op_name(ReduceOp op) {
-  switch (op) {
-    case ReduceOp::kSum: return "sum";
-    case ReduceOp::kMax: return "max";
-    case ReduceOp::kMin: return "min";
-  }
-  return "?";
-}
 
 // What the communicator and its Work handles share: the NCCL communicator,
 // its stream, and the broken state after a failure or timeout.
@@ -185,12 +177,12 @@ class NcclCommunicator final : public Communicator {
   std::string backend() const override { return "nccl"; }
 
   WorkHandle all_reduce(void* buf, size_t count, DType dtype, ReduceOp op) override {
-    return enqueue(fmt::format("all_reduce ({}) of {} {}", op_name(op), count, dtype_name(dtype)), [&](ncclComm_t c, cudaStream_t st) {
+    return enqueue(fmt::format("all_reduce ({}) of {} {}", reduce_op_name(op), count, dtype_name(dtype)), [&](ncclComm_t c, cudaStream_t st) {
       return ncclAllReduce(buf, buf, count, nccl_dtype(dtype), nccl_op(op), c, st);
     });
   }
   WorkHandle reduce_scatter(const void* in, void* out, size_t count, DType dtype, ReduceOp op) override {
-    return enqueue(fmt::format("reduce_scatter ({}) of {} x {} {}", op_name(op), world_size(), count, dtype_name(dtype)),
+    return enqueue(fmt::format("reduce_scatter ({}) of {} x {} {}", reduce_op_name(op), world_size(), count, dtype_name(dtype)),
                    [&](ncclComm_t c, cudaStream_t st) {
                      return ncclReduceScatter(in, out, count, nccl_dtype(dtype), nccl_op(op), c, st);
                    });

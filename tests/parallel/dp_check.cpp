@@ -36,6 +36,7 @@
 #include "strata/core/error.h"
 #include "strata/parallel/communicator.h"
 #include "strata/parallel/engine.h"
+#include "parallel/test_models.h"
 
 using namespace strata::parallel;
 
@@ -166,18 +167,6 @@ Outcome train(const std::shared_ptr<Communicator>& comm, const Options& opt) {
   if (opt.offload) std::filesystem::remove_all(nvme);
   return out;
 }
-
-// Elementwise operators and an embedding: what LibTorch 1.13 runs in fp16 on CPU.
-struct Scaler : torch::nn::Module {
-  torch::nn::Embedding emb{nullptr};
-  torch::Tensor gain, bias;
-  Scaler() {
-    emb = register_module("emb", torch::nn::Embedding(64, 32));
-    gain = register_parameter("gain", torch::ones({32}));
-    bias = register_parameter("bias", torch::zeros({32}));
-  }
-  torch::Tensor forward(const torch::Tensor& tokens) { return emb->forward(tokens) * gain + bias; }
-};
 
 // Trains Scaler in fp16 at `stage`; returns the trained fp32 parameters.
 std::vector<torch::Tensor> train_fp16(const std::shared_ptr<Communicator>& comm, int stage) {

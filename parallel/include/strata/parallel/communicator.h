@@ -44,6 +44,14 @@ struct Rendezvous {
 };
 
 enum class ReduceOp { kSum, kMax, kMin };
+inline const char* reduce_op_name(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum: return "sum";
+    case ReduceOp::kMax: return "max";
+    case ReduceOp::kMin: return "min";
+  }
+  return "?";
+}
 
 class Work {
  public:
