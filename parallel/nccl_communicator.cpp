@@ -7,7 +7,10 @@
 //   rank calls ncclCommInitRank on its device. split() splits the bootstrap
 //   the same way and builds a new NCCL communicator over the group.
 // - Order: operations are enqueued on the communicator's stream in issue
-//   order (Note [Collectives are issued in order]). The stream is a blocking
+//   order (Note [Collectives are issued in order]). The NCCL communicator is
+//   non-blocking (config.blocking = 0), so initialisation and the enqueueing
+//   of an operation return at once and are polled to completion within the
+//   timeout: a peer that never joins is an error too, not a hang. The stream is a blocking
 //   one, so it runs after work already queued on the legacy default stream
 //   (where LibTorch computes unless told otherwise); callers that compute on
 //   other streams must synchronise them first.
@@ -114,7 +117,11 @@ class NcclWork final : public Work {
         return fail(fmt::format("CUDA error {}", cudaGetErrorString(q)));
       }
       ncclResult_t async = ncclSuccess;
-      ncclCommGetAsyncError(state_->comm, &async);
+      {
+        std::lock_guard<std::mutex> lock(state_->mu);
+        if (state_->comm == nullptr) return fail(state_->broken);  // aborted by an earlier failure
+        ncclCommGetAsyncError(state_->comm, &async);
+      }
       if (async != ncclSuccess && async != ncclInProgress) return fail(ncclGetErrorString(async));
       if (std::chrono::steady_clock::now() >= deadline) {
         return fail(fmt::format("timed out (timeout {} ms); a peer has died, or is stuck before issuing the same "
@@ -167,9 +174,13 @@ class NcclCommunicator final : public Communicator {
     bootstrap_->broadcast(&id, sizeof id / sizeof(float), DType::kFloat32, 0)->wait();
     STRATA_CUDA_OK(cudaSetDevice(device));
     STRATA_CUDA_OK(cudaStreamCreate(&s.stream));
-    const ncclResult_t r = ncclCommInitRank(&s.comm, s.size, id, s.rank);
-    STRATA_CHECK(r == ncclSuccess, "ncclCommInitRank on rank ", s.rank, " of ", s.size, " (device ", device,
-                 ") failed: ", ncclGetErrorString(r), "; every rank needs a GPU of its own");
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    const ncclResult_t r = ncclCommInitRankConfig(&s.comm, s.size, id, s.rank, &config);
+    const std::string what = fmt::format("ncclCommInitRank on rank {} of {} (device {})", s.rank, s.size, device);
+    STRATA_CHECK(r == ncclSuccess || r == ncclInProgress, what, " failed: ", ncclGetErrorString(r),
+                 "; every rank needs a GPU of its own");
+    settle(what);
   }
 
   int rank() const override { return state_->rank; }
@@ -243,6 +254,29 @@ class NcclCommunicator final : public Communicator {
   }
 
  private:
+  // Polls the non-blocking communicator until the call in progress is
+  // through; past the timeout the NCCL communicator is aborted.
+  void settle(const std::string& what) {
+    NcclState& s = *state_;
+    const auto deadline = std::chrono::steady_clock::now() + s.timeout;
+    for (;;) {
+      ncclResult_t state = ncclSuccess;
+      ncclCommGetAsyncError(s.comm, &state);
+      if (state == ncclSuccess) return;
+      const bool late = std::chrono::steady_clock::now() >= deadline;
+      if (state != ncclInProgress || late) {
+        s.broken = fmt::format("the communicator broke at an earlier {}", what);
+        ncclCommAbort(s.comm);
+        s.comm = nullptr;
+        STRATA_FAIL(what, " on rank ", s.rank, " of ", s.size, " failed: ",
+                    late ? fmt::format("not through within the timeout of {} ms; a peer has died or not joined",
+                                       s.timeout.count())
+                         : std::string(ncclGetErrorString(state)));
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+
   void check_peer(int peer) const {
     STRATA_CHECK(peer >= 0 && peer < world_size() && peer != rank(), "peer ", peer, " is not another rank of ",
                  world_size());
@@ -255,8 +289,9 @@ class NcclCommunicator final : public Communicator {
                  state_->size);
     STRATA_CUDA_OK(cudaSetDevice(state_->device));
     const ncclResult_t r = fn(state_->comm, state_->stream);
-    STRATA_CHECK(r == ncclSuccess, what, " on rank ", state_->rank, " of ", state_->size, " could not be issued: ",
-                 ncclGetErrorString(r));
+    STRATA_CHECK(r == ncclSuccess || r == ncclInProgress, what, " on rank ", state_->rank, " of ", state_->size,
+                 " could not be issued: ", ncclGetErrorString(r));
+    if (r == ncclInProgress) settle(what);
     cudaEvent_t event = nullptr;
     STRATA_CUDA_OK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
     STRATA_CUDA_OK(cudaEventRecord(event, state_->stream));
