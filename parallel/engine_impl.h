@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <deque>
 #include <mutex>
 #include <unordered_map>
 #include <unordered_set>
@@ -229,7 +230,8 @@ struct Engine::Impl : OpObserver {
   //   parameter (a parameter may span shards: each rank updates its part, and
   //   every rank counts its step). The norm and overflow check over gradient
   //   shards sum the ranks' partial sums. Stages 1 and 2 then all-gather each
-  //   parameter chunk in place; stage 3 writes the parameter shard.
+  //   parameter chunk in place while the next family updates; stage 3
+  //   writes the parameter shard.
   // - Stage 3 operators: before an operator its parameter chunks are gathered
   //   (all-gather of the shards into the full chunk, on a communicator of its
   //   own so gathers never interleave with gradient reductions) and pinned
@@ -1061,14 +1063,47 @@ struct Engine::Impl : OpObserver {
         }
         kernels::adam_step(ap, s);
       }
-      if (stage == 1 || stage == 2) {
-        // Every rank updated its shard of the parameter chunk: gather the rest.
-        const int64_t shard = fam.layout->shards.shard_elems;
-        comm->all_gather(at(fam.param, rank * shard), mgr->data(fam.param), static_cast<size_t>(shard),
-                         options.precision)->wait();
-        collectives += 1;
-      }
     });
+  }
+
+  // Stages 1 and 2: every rank updated its shard of family f's parameter
+  // chunk; the all-gather of the rest runs while the next family updates
+  // (the chunk stays pinned on host until it is through).
+  struct ParamGather {
+    WorkHandle work;
+    ChunkId chunk = -1;
+  };
+  std::deque<ParamGather> param_gathers;
+  void start_param_gather(memory::FamilyId f) {
+    const memory::ChunkFamily& fam = mgr->family(f);
+    pin(fam.param, Tier::kHost, all_slots(fam.param));
+    const int64_t shard = fam.layout->shards.shard_elems;
+    ParamGather g;
+    g.chunk = fam.param;
+    try {
+      g.work = comm->all_gather(at(fam.param, rank * shard), mgr->data(fam.param), static_cast<size_t>(shard),
+                                options.precision);
+    } catch (...) {
+      unpin(fam.param, all_slots(fam.param));
+      throw;
+    }
+    param_gathers.push_back(std::move(g));
+    collectives += 1;
+  }
+  // Waits for the oldest gathers until at most `keep` are in flight.
+  void finish_param_gathers(size_t keep) {
+    std::exception_ptr failure;
+    while (param_gathers.size() > keep) {
+      ParamGather g = std::move(param_gathers.front());
+      param_gathers.pop_front();
+      try {
+        g.work->wait();
+      } catch (...) {
+        if (!failure) failure = std::current_exception();
+      }
+      unpin(g.chunk, all_slots(g.chunk));
+    }
+    if (failure) std::rethrow_exception(failure);
   }
 
   // Returns false when the step was skipped for overflow.
@@ -1104,8 +1139,17 @@ struct Engine::Impl : OpObserver {
         if (optim_on_nvme[i]) {
           for (ChunkId c : optim_members(families[i])) behind.push_back(mgr->prefetch(c, Tier::kNvme));
         }
+        if (stage == 1 || stage == 2) {
+          start_param_gather(families[i]);
+          finish_param_gathers(1);  // the previous family's gather overlapped this family's update
+        }
       }
+      finish_param_gathers(0);
     } catch (...) {
+      try {
+        finish_param_gathers(0);
+      } catch (...) {  // the first failure is the one reported
+      }
       settle(ahead);
       settle(early);
       for (auto& t : behind) t.wait();
