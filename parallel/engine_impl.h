@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstring>
 #include <deque>
+#include <filesystem>
 #include <mutex>
 #include <unordered_map>
 #include <unordered_set>
@@ -707,6 +708,12 @@ struct Engine::Impl : OpObserver {
     recorder = std::make_unique<TraceRecorder>();
     TraceRecorder& r = *recorder;
     r.path = options.trace_path;
+    if (rank > 0) {
+      // Data parallel: each rank records its own run; rank 0 keeps the name given.
+      const std::filesystem::path given(options.trace_path);
+      r.path = (given.parent_path() / (given.stem().string() + ".rank" + std::to_string(rank) +
+                                        given.extension().string())).string();
+    }
     r.steps_wanted = options.trace_steps;
     r.counter = non_model_counter();
     r.trace.device = mgr->device().name();
