@@ -34,7 +34,10 @@
 // so a checkpoint loads at any ZeRO stage and any number of ranks, and each
 // rank gets its own RNG state back when the world size matches. Gradients
 // mid-accumulation are rank-local, so a data-parallel save must be on an
-// accumulation boundary.
+// accumulation boundary. When rank 0 cannot write (a full disk, a bad path),
+// it keeps taking part in the gathers and a final all-reduce tells every
+// rank, so all of them fail at once instead of waiting for a timeout, and
+// the previous checkpoint stays.
 #include <fmt/format.h>
 
 #include <nlohmann/json.hpp>
@@ -119,8 +122,17 @@ void Engine::save(const std::string& dir) {
                "save on an accumulation boundary");
   const bool mixed = s.options.precision != DType::kFloat32;
   const bool lead = s.rank == 0;
+  // Data parallel, a write failure on rank 0 must not leave the other ranks
+  // waiting in the next family's gather: rank 0 records it, keeps taking part
+  // in the collectives, and every rank learns of it at the end.
+  std::exception_ptr write_failure;
+  bool writing = lead;
+  const auto failed = [&] {
+    if (!s.data_parallel()) throw;
+    if (!write_failure) write_failure = std::current_exception();
+    writing = false;
+  };
   std::optional<checkpoint::CheckpointWriter> w;
-  if (lead) w.emplace(dir, kKind);
 
   std::vector<SafetensorsWriter::Spec> fp32, compute;
   for (size_t i : order) {
@@ -132,7 +144,8 @@ void Engine::save(const std::string& dir) {
     std::unique_ptr<SafetensorsWriter> w;
   };
   std::vector<Out> outs;
-  if (lead) {
+  if (lead) try {
+    w.emplace(dir, kKind);
     outs.push_back({"master.safetensors", std::make_unique<SafetensorsWriter>(
                                               w->path("master.safetensors"), fp32,
                                               std::map<std::string, std::string>{{"format", "pt"}})});
@@ -143,6 +156,8 @@ void Engine::save(const std::string& dir) {
       outs.push_back({"param.safetensors", std::make_unique<SafetensorsWriter>(w->path("param.safetensors"), compute)});
     }
     if (mid) outs.push_back({"grad.safetensors", std::make_unique<SafetensorsWriter>(w->path("grad.safetensors"), compute)});
+  } catch (...) {
+    failed();
   }
 
   // What is written per family: the fp32 values, exp_avg, exp_avg_sq, the
@@ -166,10 +181,14 @@ void Engine::save(const std::string& dir) {
   s.stream_families(
       members,
       [&](const Impl::Param& p, const memory::ChunkFamily&) {
-        if (!lead) return;
-        for (size_t k = 0; k < outs.size(); ++k) {
-          const size_t esize = k < 3 ? sizeof(float) : s.elem_size();
-          outs[k].w->append(base[k] + static_cast<size_t>(p.offset) * esize, static_cast<size_t>(p.numel) * esize);
+        if (!writing) return;
+        try {
+          for (size_t k = 0; k < outs.size(); ++k) {
+            const size_t esize = k < 3 ? sizeof(float) : s.elem_size();
+            outs[k].w->append(base[k] + static_cast<size_t>(p.offset) * esize, static_cast<size_t>(p.numel) * esize);
+          }
+        } catch (...) {
+          failed();
         }
       },
       [&](size_t i) {
@@ -211,7 +230,7 @@ void Engine::save(const std::string& dir) {
     const std::vector<std::string> all = s.data_parallel() ? all_gather_bytes(*s.comm, mine) : std::vector{mine};
     for (size_t r = 0; r < all.size(); ++r) rng_states.emplace_back(rng_file(stem, static_cast<int>(r)), all[r]);
   }
-  if (lead) {
+  if (writing) try {
     for (Out& o : outs) {
       o.w->finish();
       w->add(o.name, o.w->bytes(), o.w->checksum());
@@ -238,9 +257,18 @@ void Engine::save(const std::string& dir) {
                         {"parameters", params}};
     w->write_text("state.json", state.dump(1) + "\n");
     w->commit();
+  } catch (...) {
+    failed();
   }
-  // Nobody returns (and perhaps loads) before the checkpoint is in place.
-  if (s.data_parallel()) s.comm->barrier()->wait();
+  // Nobody returns (and perhaps loads) before the checkpoint is in place, and
+  // every rank fails when rank 0 could not write it.
+  if (s.data_parallel()) {
+    float rank0_failed = write_failure ? 1.0f : 0.0f;
+    s.comm->all_reduce(&rank0_failed, 1, DType::kFloat32, ReduceOp::kMax)->wait();
+    if (write_failure) std::rethrow_exception(write_failure);
+    STRATA_CHECK(rank0_failed == 0.0f, "rank 0 could not write checkpoint ", dir,
+                 " (its error says why); the previous checkpoint there, if any, is unchanged");
+  }
 }
 
 // See Note [Loading a checkpoint].
@@ -434,33 +462,49 @@ void Engine::export_weights(const std::string& path) {
   std::vector<SafetensorsWriter::Spec> specs;
   for (size_t i : order) specs.push_back({s.params[i].name, "F32", shape_of(s.params[i].tensor)});
   for (const auto& [name, t] : s.frozen) specs.push_back({name, "F32", shape_of(t)});
-  // Written beside `path` and renamed over it: a reader never sees half a file.
+  // Written beside `path` and renamed over it: a reader never sees half a
+  // file. Data parallel, a write failure on rank 0 is recorded while it keeps
+  // taking part in the gathers, and every rank learns of it at the end (as
+  // in save()).
   const std::string tmp = path + ".tmp-" + std::to_string(::getpid());
-  try {
-    std::optional<SafetensorsWriter> w;
-    if (lead) w.emplace(tmp, specs, std::map<std::string, std::string>{{"format", "pt"}});
-    size_t next = 0;
-    for (memory::FamilyId f : s.families) {
-      const std::vector<float> values = s.family_values(f);  // one family at a time, gathered when sharded
-      for (; next < order.size() && s.params[order[next]].family == f; ++next) {
-        const Impl::Param& p = s.params[order[next]];
-        if (lead) w->append(values.data() + p.offset, static_cast<size_t>(p.numel) * sizeof(float));
-      }
+  std::exception_ptr write_failure;
+  bool writing = lead;
+  std::optional<SafetensorsWriter> w;
+  const auto write = [&](const std::function<void()>& fn) {
+    if (!writing) return;
+    try {
+      fn();
+    } catch (...) {
+      std::remove(tmp.c_str());
+      if (!s.data_parallel()) throw;
+      write_failure = std::current_exception();
+      writing = false;
     }
-    if (lead) {
-      for (const auto& [name, t] : s.frozen) {
-        const torch::Tensor c = t.detach().to(torch::kCPU, torch::kFloat32).contiguous();
-        w->append(c.data_ptr(), static_cast<size_t>(c.numel()) * sizeof(float));
-      }
-      w->finish();
-      STRATA_CHECK(::rename(tmp.c_str(), path.c_str()) == 0, "cannot rename ", tmp, " to ", path, ": ",
-                   std::strerror(errno));
+  };
+  write([&] { w.emplace(tmp, specs, std::map<std::string, std::string>{{"format", "pt"}}); });
+  size_t next = 0;
+  for (memory::FamilyId f : s.families) {
+    const std::vector<float> values = s.family_values(f);  // one family at a time, gathered when sharded
+    for (; next < order.size() && s.params[order[next]].family == f; ++next) {
+      const Impl::Param& p = s.params[order[next]];
+      write([&] { w->append(values.data() + p.offset, static_cast<size_t>(p.numel) * sizeof(float)); });
     }
-  } catch (...) {
-    if (lead) std::remove(tmp.c_str());
-    throw;
   }
-  if (s.data_parallel()) s.comm->barrier()->wait();
+  write([&] {
+    for (const auto& [name, t] : s.frozen) {
+      const torch::Tensor c = t.detach().to(torch::kCPU, torch::kFloat32).contiguous();
+      w->append(c.data_ptr(), static_cast<size_t>(c.numel()) * sizeof(float));
+    }
+    w->finish();
+    STRATA_CHECK(::rename(tmp.c_str(), path.c_str()) == 0, "cannot rename ", tmp, " to ", path, ": ",
+                 std::strerror(errno));
+  });
+  if (s.data_parallel()) {
+    float rank0_failed = write_failure ? 1.0f : 0.0f;
+    s.comm->all_reduce(&rank0_failed, 1, DType::kFloat32, ReduceOp::kMax)->wait();
+    if (write_failure) std::rethrow_exception(write_failure);
+    STRATA_CHECK(rank0_failed == 0.0f, "rank 0 could not write the weights to ", path, " (its error says why)");
+  }
 }
 
 // Copies the tensors of a safetensors file into `module`'s parameters by name.

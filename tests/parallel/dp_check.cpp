@@ -21,6 +21,9 @@
 //   --die-at-step K rank 1 dies in the middle of step K (the launcher must
 //                   stop the others and name it)
 //   --mismatch      rank 1 has another device budget: attach refuses on every rank
+//   --save-fails    at stage 3, rank 0 cannot write the checkpoint (nor the
+//                   weights): every rank's save() (export_weights()) fails,
+//                   and training goes on in step on every rank
 // Prints "rank R: data parallel matches single-process training (...)" or fails.
 #include <torch/torch.h>
 #include <unistd.h>
@@ -255,8 +258,38 @@ void checkpoint_check(const std::shared_ptr<Communicator>& comm, int save_stage,
               "relative difference %.2e), RNG stream and exported weights too\n", rank, save_stage, load_stage, worst);
 }
 
+// See --save-fails.
+void save_fails_check(const std::shared_ptr<Communicator>& comm) {
+  const int rank = comm->rank();
+  auto model = std::make_shared<Net>();
+  EngineOptions o;
+  o.zero_stage = 3;
+  o.chunk_elems = 64 * 64 + 64;
+  o.budgets = {1 << 20, 4 << 20, 0};
+  auto engine = attach(*model, AdamWConfig{}, o, comm);
+  step(*engine, *model, rank, 0);
+  std::string error;
+  try {
+    engine->save("/proc/strata-cannot-write-here/checkpoint");  // rank 0 cannot create it
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  STRATA_CHECK(!error.empty(), "rank ", rank, ": save() succeeded where rank 0 cannot write");
+  bool exported = true;
+  try {
+    engine->export_weights("/proc/strata-cannot-write-here/weights.safetensors");
+  } catch (const std::exception&) {
+    exported = false;
+  }
+  STRATA_CHECK(!exported, "rank ", rank, ": export_weights() succeeded where rank 0 cannot write");
+  step(*engine, *model, rank, 1);  // the ranks' collectives are still paired
+  std::printf("rank %d: save failed on every rank (%s), so did the export; training went on\n", rank,
+              error.substr(0, error.find(" (/")).c_str());
+}
+
 int main(int argc, char** argv) {
   Options opt;
+  bool save_fails = false;
   bool fp16 = false;
   std::string checkpoint;
   int load_stage = 0;
@@ -268,6 +301,7 @@ int main(int argc, char** argv) {
     if (a == "--memory") memory = true;
     if (a == "--fp16") fp16 = true;
     if (a == "--mismatch") opt.mismatch = true;
+    if (a == "--save-fails") save_fails = true;
     if (a == "--die-at-step" && i + 1 < argc) opt.die_at_step = std::atoi(argv[++i]);
     if (a == "--accumulation" && i + 1 < argc) opt.accumulation = std::atoi(argv[++i]);
     if (a == "--zero-stage" && i + 1 < argc) opt.stage = std::atoi(argv[++i]);
@@ -279,6 +313,10 @@ int main(int argc, char** argv) {
     const int rank = comm->rank(), world = comm->world_size();
     if (!checkpoint.empty()) {
       checkpoint_check(comm, opt.stage, load_stage, checkpoint);
+      return 0;
+    }
+    if (save_fails) {
+      save_fails_check(comm);
       return 0;
     }
     if (fp16) {
