@@ -3,8 +3,6 @@
 #include "engine_impl.h"
 #include "strata/parallel/tensor_collectives.h"
 
-#include <atomic>
-#include <fmt/format.h>
 
 namespace strata::parallel {
 
@@ -166,10 +164,7 @@ Engine::Engine(torch::nn::Module& module, AdamWConfig optimizer, EngineOptions o
   if (s.stage == 3) {
     std::vector<int> all(static_cast<size_t>(s.world()));
     for (int r = 0; r < s.world(); ++r) all[r] = r;
-    // A group name is never reused (its store keys would be stale): one per
-    // stage-3 engine, counted alike on every rank since every rank attaches.
-    static std::atomic<int> engines{0};
-    s.gather_comm = s.comm->split(all, fmt::format("zero3-parameters-{}", engines++));
+    s.gather_comm = s.comm->split(all, "zero3-parameters");
   }
   s.hook = std::make_unique<OpHook>(s);
   if (!options.trace_path.empty()) s.start_trace();

@@ -92,9 +92,7 @@ std::string rng_file(const std::string& stem, int rank) {
 // Every rank's `mine`, in rank order (sizes may differ).
 std::vector<std::string> all_gather_bytes(Communicator& comm, const std::string& mine) {
   const int n = comm.world_size();
-  const double size = static_cast<double>(mine.size());
-  std::vector<double> sizes(static_cast<size_t>(n));
-  comm.all_gather(&size, sizes.data(), sizeof(double) / sizeof(float), DType::kFloat32)->wait();
+  const std::vector<double> sizes = all_gather_values(comm, {static_cast<double>(mine.size())});
   size_t most = 0;
   for (double v : sizes) most = std::max(most, static_cast<size_t>(v));
   const size_t words = (most + sizeof(float) - 1) / sizeof(float);
@@ -204,8 +202,7 @@ void Engine::save(const std::string& dir) {
           }
           const size_t esize = dtype_size(c.dtype());
           whole[k].resize(static_cast<size_t>(s.mgr->family(f).layout->capacity_elems) * esize);
-          s.comm->all_gather(s.mgr->data(chunks[k]), whole[k].data(), static_cast<size_t>(c.capacity_elems()),
-                             c.dtype())->wait();
+          s.gather_shards(chunks[k], s.mgr->data(chunks[k]), whole[k].data());
           base[k] = whole[k].data();
         }
         // While family i is written out, the next one comes to host (from

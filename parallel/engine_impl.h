@@ -261,8 +261,9 @@ struct Engine::Impl : OpObserver {
   int64_t gathers = 0;
   int64_t gathers_ahead = 0;  // of those, issued for a later operator than the one about to run
   std::vector<size_t> grads_arrived;  // per family position; complete at params_of_chunk[its param chunk].size()
-  std::vector<WorkHandle> reductions;              // per family position; null: not issued yet
-  std::vector<bool> reduced;                       // per family position: waited for and unpinned
+  // Per family position: null before it is issued (positions below
+  // reduce_cursor) and again once settled.
+  std::vector<WorkHandle> reductions;
   std::unordered_map<memory::FamilyId, size_t> family_pos;
   size_t reduce_cursor = 0;  // families at positions >= this have been issued
   bool boundary = false;     // this micro-step ends an accumulation
@@ -810,12 +811,13 @@ struct Engine::Impl : OpObserver {
   // Waits for family position `pos`'s reduction and unpins its chunks; with
   // a gradient shard the full gradient chunk is no longer needed.
   void settle_reduction(size_t pos) {
-    if (reduced[pos]) return;
-    reduced[pos] = true;
+    if (!reductions[pos]) return;
+    const WorkHandle work = std::move(reductions[pos]);
+    reductions[pos] = nullptr;
     const memory::ChunkFamily& fam = mgr->family(families[pos]);
     std::exception_ptr failure;
     try {
-      reductions[pos]->wait();
+      work->wait();
     } catch (...) {
       failure = std::current_exception();
     }
@@ -830,7 +832,7 @@ struct Engine::Impl : OpObserver {
   // are released during backward, so few exist at once.
   void settle_done_reductions() {
     for (size_t pos = reduce_cursor; pos < reductions.size(); ++pos) {
-      if (reductions[pos] && !reduced[pos] && reductions[pos]->done()) settle_reduction(pos);
+      if (reductions[pos] && reductions[pos]->done()) settle_reduction(pos);
     }
   }
   void issue_ready_reductions() {
@@ -842,7 +844,6 @@ struct Engine::Impl : OpObserver {
   void begin_reductions() {
     std::fill(grads_arrived.begin(), grads_arrived.end(), 0);
     reductions.assign(families.size(), nullptr);
-    reduced.assign(families.size(), false);
     reduce_cursor = families.size();
   }
   // After backward on an accumulation boundary: the rest of the families,
@@ -893,8 +894,7 @@ struct Engine::Impl : OpObserver {
     for (const Param& p : params) numel += static_cast<double>(p.numel);
     mine.push_back(static_cast<double>(params.size()));
     mine.push_back(numel);
-    std::vector<double> all(mine.size() * static_cast<size_t>(world()));
-    comm->all_gather(mine.data(), all.data(), mine.size() * sizeof(double) / sizeof(float), DType::kFloat32)->wait();
+    const std::vector<double> all = all_gather_values(*comm, mine);
     for (int r = 0; r < world(); ++r) {
       const double* theirs = all.data() + static_cast<size_t>(r) * mine.size();
       STRATA_CHECK(std::equal(mine.begin(), mine.end(), theirs), "rank ", rank, " packs ", params.size(),
@@ -1022,9 +1022,7 @@ struct Engine::Impl : OpObserver {
     if (stage >= 2) {
       // Each rank holds its shard of the gradients: every rank sums all the
       // partial sums in rank order, so all get the same norm.
-      const double mine[2] = {total.sum_sq, total.finite ? 0.0 : 1.0};
-      std::vector<double> all(2 * static_cast<size_t>(world()));
-      comm->all_gather(mine, all.data(), 2 * sizeof(double) / sizeof(float), DType::kFloat32)->wait();
+      const std::vector<double> all = all_gather_values(*comm, {total.sum_sq, total.finite ? 0.0 : 1.0});
       collectives += 1;
       total = kernels::GradStats{};
       for (int r = 0; r < world(); ++r) total.merge({all[2 * r], all[2 * r + 1] == 0.0});
@@ -1248,10 +1246,14 @@ struct Engine::Impl : OpObserver {
     std::vector<float> part(chunk.shard() ? static_cast<size_t>(chunk.capacity_elems()) : 0);
     float* dst = chunk.shard() ? part.data() : full.data();
     if (chunk.location()) mgr->read(c, dst, static_cast<size_t>(chunk.capacity_elems()) * sizeof(float));
-    if (chunk.shard()) {
-      comm->all_gather(part.data(), full.data(), part.size(), DType::kFloat32)->wait();
-    }
+    if (chunk.shard()) gather_shards(c, part.data(), full.data());
     return full;
+  }
+  // Every rank's shard of sharded chunk `c` (this rank's at `shard`, on host)
+  // into `whole`, which holds the family layout's capacity in c's dtype.
+  void gather_shards(ChunkId c, const void* shard, void* whole) {
+    const memory::Chunk& chunk = mgr->chunk(c);
+    comm->all_gather(shard, whole, static_cast<size_t>(chunk.capacity_elems()), chunk.dtype())->wait();
   }
 
   void detach_all() noexcept {

@@ -142,8 +142,15 @@ class GlooCommunicator final : public Communicator {
                    ranks[i], " twice");
     }
     try {
+      // A name used again is a new group: every member counts its joins in
+      // the store, and since no member can finish forming a group before all
+      // have joined it, join / size is the same generation on every member.
+      const std::string group = prefix_ + "/" + name;
+      const int64_t joins = world_->store->add(group + "/joins", 1);
+      const int64_t generation = (joins - 1) / static_cast<int64_t>(ranks.size());
       return std::make_unique<GlooCommunicator>(world_, static_cast<int>(me - ranks.begin()),
-                                                static_cast<int>(ranks.size()), prefix_ + "/" + name, options_);
+                                                static_cast<int>(ranks.size()),
+                                                group + "#" + std::to_string(generation), options_);
     } catch (const std::exception& e) {
       STRATA_FAIL("rank ", rank_, " could not form the group \"", name, "\" of ", ranks.size(), " ranks within ",
                   options_.timeout.count(), " ms: ", e.what(), " (does every member create it?)");

@@ -92,11 +92,19 @@ class Communicator {
 
   /// A communicator for the group of `ranks` (ranks of this communicator; the
   /// new one numbers them in the order given). Every member calls it with the
-  /// same list and a `name` unique to the group and never used for an
-  /// earlier split of this world (its rendezvous keys would be stale); other
-  /// ranks do not.
+  /// same list and a `name` unique to the group; other ranks do not. A name
+  /// may be used again: each split is a new group.
   virtual std::unique_ptr<Communicator> split(const std::vector<int>& ranks, const std::string& name) = 0;
 };
+
+/// Every rank's `mine` (the same length on every rank), in rank order, and
+/// waited for: small host-side agreements (partial sums, layout checks) as
+/// fp64 values, which travel bit for bit as pairs of fp32 words.
+inline std::vector<double> all_gather_values(Communicator& comm, const std::vector<double>& mine) {
+  std::vector<double> all(mine.size() * static_cast<size_t>(comm.world_size()));
+  comm.all_gather(mine.data(), all.data(), mine.size() * sizeof(double) / sizeof(float), DType::kFloat32)->wait();
+  return all;
+}
 
 /// Note [Device mesh]
 /// The world as a dp x pp x tp x sp grid, sp varying fastest, then tp, pp and
