@@ -71,7 +71,7 @@ struct EngineOptions {
   double device_safety_ratio = 0.9;
   int trace_steps = 2;
   /// ZeRO stage over the communicator's ranks (Note [ZeRO over chunks] in
-  /// engine_impl.h): 0 replicates everything (data parallel); 1 shards the
+  /// zero/sharding.h): 0 replicates everything (data parallel); 1 shards the
   /// optimizer state and master weights; 2 also the gradients
   /// (reduce-scattered); 3 also the parameters (gathered for the operators
   /// that use them, with prefetch). Ignored with one rank (STRATA_ZERO_STAGE).

@@ -39,10 +39,16 @@
 // rank, so all of them fail at once instead of waiting for a timeout, and
 // the previous checkpoint stays.
 #include <fmt/format.h>
+#include <torch/torch.h>
+
+#include <cstring>
+#include <filesystem>
 
 #include <nlohmann/json.hpp>
 
+#include "../zero/sharding.h"
 #include "engine_impl.h"
+#include "family_stream.h"
 #include "strata/checkpoint/checkpoint_dir.h"
 #include "strata/checkpoint/safetensors.h"
 
@@ -111,11 +117,12 @@ std::vector<std::string> all_gather_bytes(Communicator& comm, const std::string&
 
 // See Note [Saving a checkpoint] and Note [Checkpoints across ranks].
 void Engine::save(const std::string& dir) {
-  Impl& s = *impl_;
-  STRATA_CHECK(s.poisoned.empty(), s.poisoned);
-  const std::vector<size_t> order = s.params_in_chunk_order();
-  const bool mid = s.micro_steps % s.options.grad_accumulation != 0;
-  STRATA_CHECK(!mid || !s.data_parallel(), "save() after micro-step ", s.micro_steps % s.options.grad_accumulation,
+  Impl& impl = *impl_;
+  EngineContext& s = impl.ctx;
+  STRATA_CHECK(impl.poisoned.empty(), impl.poisoned);
+  const std::vector<size_t> order = params_in_chunk_order(s);
+  const bool mid = impl.micro_steps % s.options.grad_accumulation != 0;
+  STRATA_CHECK(!mid || !s.data_parallel(), "save() after micro-step ", impl.micro_steps % s.options.grad_accumulation,
                " of ", s.options.grad_accumulation, ": data parallel gradients mid-accumulation are each rank's own; "
                "save on an accumulation boundary");
   const bool mixed = s.options.precision != DType::kFloat32;
@@ -174,11 +181,11 @@ void Engine::save(const std::string& dir) {
   std::vector<offload::CopyTicket> ahead;
   struct Settle {  // read-aheads finish before the save returns or throws
     std::vector<offload::CopyTicket>& t;
-    ~Settle() { Engine::Impl::settle(t); }
+    ~Settle() { EngineContext::settle(t); }
   } settle_ahead{ahead};
-  s.stream_families(
+  stream_families(s, 
       members,
-      [&](const Impl::Param& p, const memory::ChunkFamily&) {
+      [&](const ManagedParam& p, const memory::ChunkFamily&) {
         if (!writing) return;
         try {
           for (size_t k = 0; k < outs.size(); ++k) {
@@ -202,7 +209,7 @@ void Engine::save(const std::string& dir) {
           }
           const size_t esize = dtype_size(c.dtype());
           whole[k].resize(static_cast<size_t>(s.mgr->family(f).layout->capacity_elems) * esize);
-          s.gather_shards(chunks[k], s.mgr->data(chunks[k]), whole[k].data());
+          gather_shards(s, chunks[k], s.mgr->data(chunks[k]), whole[k].data());
           base[k] = whole[k].data();
         }
         // While family i is written out, the next one comes to host (from
@@ -212,7 +219,7 @@ void Engine::save(const std::string& dir) {
 
   json params = json::array();
   for (size_t i : order) {
-    const Impl::Param& p = s.params[i];
+    const ManagedParam& p = s.params[i];
     params.push_back({{"name", p.name}, {"shape", shape_of(p.tensor)}, {"steps", p.steps}, {"has_grad", p.has_grad}});
   }
   json rng = json::array();
@@ -242,10 +249,10 @@ void Engine::save(const std::string& dir) {
     const json state = {{"format", "strata-engine-state"},
                         {"precision", dtype_name(s.options.precision)},
                         {"grad_accumulation", s.options.grad_accumulation},
-                        {"micro_steps", s.micro_steps},
-                        {"loss_scale", s.scale},
-                        {"clean_steps", s.clean_steps},
-                        {"skipped_steps", s.skipped},
+                        {"micro_steps", impl.micro_steps},
+                        {"loss_scale", impl.pipeline->loss_scale()},
+                        {"clean_steps", impl.pipeline->clean_steps()},
+                        {"skipped_steps", impl.pipeline->skipped()},
                         {"world_size", s.world()},
                         {"zero_stage", s.stage},
                         {"adamw", {{"lr", s.opt.lr}, {"beta1", s.opt.beta1}, {"beta2", s.opt.beta2},
@@ -270,7 +277,8 @@ void Engine::save(const std::string& dir) {
 
 // See Note [Loading a checkpoint].
 void Engine::load(const std::string& dir) {
-  Impl& s = *impl_;
+  Impl& impl = *impl_;
+  EngineContext& s = impl.ctx;
   checkpoint::CheckpointReader r(dir);
   STRATA_CHECK(r.manifest().kind == kKind, "checkpoint ", r.dir(), " was written by \"", r.manifest().kind,
                "\", not by Engine::save");
@@ -323,7 +331,7 @@ void Engine::load(const std::string& dir) {
 
   // Names and shapes: the engine's parameters and the checkpoint's, both ways.
   std::vector<std::string> problems;
-  for (const Impl::Param& p : s.params) {
+  for (const ManagedParam& p : s.params) {
     const auto it = saved.find(p.name);
     if (it == saved.end()) {
       problems.push_back(fmt::format("parameter {} is not in the checkpoint", p.name));
@@ -334,7 +342,7 @@ void Engine::load(const std::string& dir) {
   }
   if (saved.size() > s.params.size() || problems.empty()) {
     std::unordered_set<std::string> mine;
-    for (const Impl::Param& p : s.params) mine.insert(p.name);
+    for (const ManagedParam& p : s.params) mine.insert(p.name);
     for (const auto& [name, _] : saved) {
       if (mine.count(name) == 0) problems.push_back(fmt::format("the checkpoint's parameter {} is not in the model", name));
     }
@@ -349,7 +357,7 @@ void Engine::load(const std::string& dir) {
   const std::string compute = st_dtype(s.options.precision);
   auto open = [&](const std::string& file, const std::string& dtype) {
     auto reader = std::make_unique<SafetensorsReader>(r.path(file));
-    for (const Impl::Param& p : s.params) {
+    for (const ManagedParam& p : s.params) {
       const checkpoint::TensorEntry* t = reader->header().find(p.name);
       STRATA_CHECK(t != nullptr, reader->path(), " has no tensor ", p.name);
       STRATA_CHECK(t->dtype == dtype && t->shape == shape_of(p.tensor), reader->path(), ": tensor ", p.name, " is ",
@@ -385,10 +393,10 @@ void Engine::load(const std::string& dir) {
     };
     // The part of parameter `p` chunk `c` holds (all of it, or this rank's
     // shard's part: Note [Checkpoints across ranks]), from the file.
-    auto part = [&](const Impl::Param& p, ChunkId c) {
+    auto part = [&](const ManagedParam& p, ChunkId c) {
       return s.mgr->chunk(c).shard() ? s.owned(p) : std::pair<int64_t, int64_t>{p.offset, p.offset + p.numel};
     };
-    auto read = [&](const SafetensorsReader& file, const Impl::Param& p, ChunkId c) {
+    auto read = [&](const SafetensorsReader& file, const ManagedParam& p, ChunkId c) {
       const auto [begin, end] = part(p, c);
       if (begin >= end) return;
       const size_t esize = dtype_size(s.mgr->chunk(c).dtype());
@@ -396,7 +404,7 @@ void Engine::load(const std::string& dir) {
                 static_cast<size_t>(end - begin) * esize);
     };
     std::vector<float> values;
-    s.stream_families(fresh_members, [&](Impl::Param& p, const memory::ChunkFamily& fam) {
+    stream_families(s, fresh_members, [&](ManagedParam& p, const memory::ChunkFamily& fam) {
       const memory::FamilyId f = p.family;
       const ChunkId mc = fam.master ? *fam.master : s.step_param(f);
       read(*master, p, mc);
@@ -417,8 +425,8 @@ void Engine::load(const std::string& dir) {
       if (mid) read(*grad, p, fam.grad);
       p.steps = saved.at(p.name).steps;
     });
-    if (!mid) s.zero_grads();
-    for (Impl::Param& p : s.params) p.has_grad = mid && saved.at(p.name).has_grad;
+    if (!mid) impl.sink->zero();
+    for (ManagedParam& p : s.params) p.has_grad = mid && saved.at(p.name).has_grad;
     for (auto& [stem, gen] : generators(s.device)) {
       // This rank's state; rank 0's when the checkpoint was saved by fewer ranks.
       std::string file = rng_file(stem, s.rank);
@@ -439,26 +447,25 @@ void Engine::load(const std::string& dir) {
       }
     }
   } catch (const std::exception& e) {
-    s.poisoned = fmt::format("a load of {} failed half way ({}); the engine's state is mixed: load a checkpoint "
+    impl.poisoned = fmt::format("a load of {} failed half way ({}); the engine's state is mixed: load a checkpoint "
                              "again before training", r.dir(), e.what());
     throw;
   }
-  s.micro_steps = micro_steps;
-  s.scale = s.options.precision == DType::kFloat16 ? scale : 1.0;
-  s.clean_steps = clean_steps;
-  s.skipped = skipped;
-  s.poisoned.clear();
+  impl.micro_steps = micro_steps;
+  impl.pipeline->restore_scaler(scale, clean_steps, skipped);
+  impl.poisoned.clear();
 }
 
 // Collective when data parallel: rank 0 writes (Note [Checkpoints across ranks]).
 void Engine::export_weights(const std::string& path) {
-  Impl& s = *impl_;
-  STRATA_CHECK(s.poisoned.empty(), s.poisoned);
+  Impl& impl = *impl_;
+  EngineContext& s = impl.ctx;
+  STRATA_CHECK(impl.poisoned.empty(), impl.poisoned);
   const bool lead = s.rank == 0;
-  const std::vector<size_t> order = s.params_in_chunk_order();
+  const std::vector<size_t> order = params_in_chunk_order(s);
   std::vector<SafetensorsWriter::Spec> specs;
   for (size_t i : order) specs.push_back({s.params[i].name, "F32", shape_of(s.params[i].tensor)});
-  for (const auto& [name, t] : s.frozen) specs.push_back({name, "F32", shape_of(t)});
+  for (const auto& [name, t] : impl.frozen) specs.push_back({name, "F32", shape_of(t)});
   // Written beside `path` and renamed over it: a reader never sees half a
   // file. Data parallel, a write failure on rank 0 is recorded while it keeps
   // taking part in the gathers, and every rank learns of it at the end (as
@@ -481,14 +488,14 @@ void Engine::export_weights(const std::string& path) {
   write([&] { w.emplace(tmp, specs, std::map<std::string, std::string>{{"format", "pt"}}); });
   size_t next = 0;
   for (memory::FamilyId f : s.families) {
-    const std::vector<float> values = s.family_values(f);  // one family at a time, gathered when sharded
+    const std::vector<float> values = family_values(s, f);  // one family at a time, gathered when sharded
     for (; next < order.size() && s.params[order[next]].family == f; ++next) {
-      const Impl::Param& p = s.params[order[next]];
+      const ManagedParam& p = s.params[order[next]];
       write([&] { w->append(values.data() + p.offset, static_cast<size_t>(p.numel) * sizeof(float)); });
     }
   }
   write([&] {
-    for (const auto& [name, t] : s.frozen) {
+    for (const auto& [name, t] : impl.frozen) {
       const torch::Tensor c = t.detach().to(torch::kCPU, torch::kFloat32).contiguous();
       w->append(c.data_ptr(), static_cast<size_t>(c.numel()) * sizeof(float));
     }

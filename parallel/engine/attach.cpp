@@ -1,0 +1,123 @@
+// attach and detach: packing an unmodified module's parameters into chunk
+// families, wiring the components, and giving the memory back.
+
+#include <torch/torch.h>
+
+#include <unordered_set>
+
+#include "../zero/sharding.h"
+#include "engine_impl.h"
+#include "family_stream.h"
+
+namespace strata::parallel {
+
+namespace {
+
+// Non-model bytes where operators run: LibTorch's CPU allocator on the
+// emulated device, the CUDA caching allocator on a GPU.
+NonModelCounter& non_model_counter(const torch::Device& device) {
+  if (device.is_cpu()) return cpu_non_model_counter();
+  NonModelCounter* c = cuda_non_model_counter(device.index());
+  STRATA_CHECK(c != nullptr, "tracing and device_capacity on CUDA read the CUDA caching allocator's statistics, "
+               "but this LibTorch has no CUDA; build strata against a LibTorch with CUDA");
+  return *c;
+}
+
+}  // namespace
+
+Engine::Impl::Impl(torch::nn::Module& module, const AdamWConfig& optimizer, EngineOptions options,
+                   std::shared_ptr<Communicator> comm) {
+  options.validate();
+  ctx.comm = std::move(comm);
+  STRATA_CHECK(!ctx.data_parallel() || options.precision != DType::kBFloat16,
+               "data parallel training reduces gradients with Gloo, which sums fp32 and fp16 but not bf16; "
+               "use fp32 or fp16 with more than one rank");
+  if (!options.init_weights.empty()) import_weights(module, options.init_weights);
+  ctx.opt = optimizer;
+  ctx.options = options;
+  ctx.compute = scalar_type_of(options.precision);
+  ctx.stage = ctx.data_parallel() ? options.zero_stage : 0;
+  ctx.rank = ctx.comm ? ctx.comm->rank() : 0;
+
+  make_chunk_manager(ctx, residency.make_policy());
+
+  // Trainable parameters, each once (tied weights appear under several names).
+  std::unordered_set<const c10::TensorImpl*> seen;
+  for (const auto& item : module.named_parameters(/*recurse=*/true)) {
+    const torch::Tensor& t = item.value();
+    if (!seen.insert(t.unsafeGetTensorImpl()).second) continue;
+    if (!t.requires_grad()) {
+      frozen.emplace_back(item.key(), t);
+      // Frozen: stays in its own memory, in the compute precision.
+      if (t.is_floating_point() && t.scalar_type() != ctx.compute) casts.push_back({t, t.scalar_type()});
+      continue;
+    }
+    STRATA_CHECK(t.scalar_type() == torch::kFloat32, "parameter ", item.key(), " is ", t.scalar_type(),
+                 "; attach a module with fp32 parameters and choose the compute precision with "
+                 "EngineOptions::precision (fp32, bf16 or fp16)");
+    STRATA_CHECK(t.is_contiguous(), "parameter ", item.key(), " is not contiguous");
+    ManagedParam p;
+    p.name = item.key();
+    p.tensor = t;
+    p.original_device = t.device();
+    p.numel = t.numel();
+    ctx.params.push_back(p);
+  }
+  STRATA_CHECK(!ctx.params.empty(), "the module has no trainable parameters");
+  for (const auto& b : module.buffers(/*recurse=*/true)) {
+    if (b.is_floating_point() && b.scalar_type() != ctx.compute) casts.push_back({b, b.scalar_type()});
+  }
+
+  register_parameters(ctx);
+  if (ctx.data_parallel()) check_same_layout_on_every_rank(ctx);  // before any collective pairs buffers
+
+  if (ctx.data_parallel()) reducer = std::make_unique<GradientReducer>(ctx);
+  sink = std::make_unique<GradSink>(ctx, reducer.get());
+  if (ctx.stage == 1 || ctx.stage == 2) step_gathers = std::make_unique<StepGathers>(ctx);
+  pipeline = std::make_unique<StepPipeline>(ctx, *sink, step_gathers.get());
+  pipeline->place_optimizer_state();
+  residency.hold_static_chunks();
+  ctx.mgr->set_placement_listener(
+      [this](const memory::Chunk& c, std::optional<Tier> tier, void* ptr) { residency.on_placed(c, tier, ptr); });
+
+  move_parameters_into_chunks(ctx);
+  torch::NoGradGuard no_grad;
+  for (Cast& c : casts) c.tensor.set_data(c.tensor.to(ctx.compute));
+
+  if (ctx.stage == 3) op_gathers = std::make_unique<OperatorGathers>(ctx);
+  hook = std::make_unique<OpHook>(*this);
+  if (!options.trace_path.empty()) recorder = std::make_unique<TraceRecorder>(ctx, non_model_counter(ctx.device));
+  if (options.device_capacity > 0) residency.enable_capacity(non_model_counter(ctx.device));
+  for (size_t i = 0; i < ctx.params.size(); ++i) hook->track(ctx.params[i].tensor, static_cast<int64_t>(i));
+  sink->install();  // after set_data: a change of dtype gives the parameter a new accumulator
+}
+
+Engine::Impl::~Impl() {
+  detach();
+  if (ctx.mgr) ctx.mgr->set_placement_listener(nullptr);  // the residency goes before the manager
+}
+
+void Engine::Impl::detach() noexcept {
+  try {
+    if (sink) sink->uninstall();
+    if (hook) {
+      for (ManagedParam& p : ctx.params) hook->untrack(p.tensor);
+    }
+    std::unordered_map<memory::FamilyId, std::vector<float>> copies;
+    for (memory::FamilyId f : ctx.families) copies[f] = family_values(ctx, f);
+    for (ManagedParam& p : ctx.params) {
+      const std::vector<float>& data = copies[p.family];
+      torch::NoGradGuard no_grad;
+      torch::Tensor owned = torch::from_blob(const_cast<float*>(data.data()) + p.offset, p.tensor.sizes(), torch::kFloat32)
+                                .clone()
+                                .to(p.original_device);
+      p.tensor.set_data(owned);
+    }
+    torch::NoGradGuard no_grad;
+    for (Cast& c : casts) c.tensor.set_data(c.tensor.to(c.original));
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "[strata error] could not give parameters their memory back: %s\n", e.what());
+  }
+}
+
+}  // namespace strata::parallel

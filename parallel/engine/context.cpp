@@ -1,0 +1,201 @@
+#include "context.h"
+
+#include <torch/torch.h>
+
+#include "strata/core/error.h"
+#include "strata/core/log.h"
+#include "strata/kernels/optim.h"
+#include "strata/memory/nvme_swap_store.h"
+#include "strata/parallel/tensor_collectives.h"
+
+namespace strata::parallel {
+
+torch::ScalarType scalar_type_of(DType d) {
+  switch (d) {
+    case DType::kFloat32: return torch::kFloat32;
+    case DType::kBFloat16: return torch::kBFloat16;
+    case DType::kFloat16: return torch::kFloat16;
+  }
+  STRATA_FAIL("unknown dtype");
+}
+
+ChunkId EngineContext::step_param(memory::FamilyId f) const {
+  const memory::ChunkFamily& fam = mgr->family(f);
+  return fam.param_shard ? *fam.param_shard : fam.param;
+}
+
+ChunkId EngineContext::step_grad(memory::FamilyId f) const {
+  const memory::ChunkFamily& fam = mgr->family(f);
+  return fam.grad_shard ? *fam.grad_shard : fam.grad;
+}
+
+std::vector<ChunkId> EngineContext::optim_members(memory::FamilyId f) const {
+  const memory::ChunkFamily& fam = mgr->family(f);
+  std::vector<ChunkId> m = {fam.optim_states[0], fam.optim_states[1]};
+  if (fam.master) m.push_back(*fam.master);
+  return m;
+}
+
+std::vector<ChunkId> EngineContext::step_members(memory::FamilyId f) const {
+  std::vector<ChunkId> m = optim_members(f);
+  m.push_back(step_param(f));
+  m.push_back(step_grad(f));
+  return m;
+}
+
+int64_t EngineContext::origin(ChunkId c) const {
+  const memory::Chunk& chunk = mgr->chunk(c);
+  return chunk.shard() ? rank * mgr->family(chunk.family()).layout->shards.shard_elems : 0;
+}
+
+char* EngineContext::at(ChunkId c, int64_t elem) const {
+  return static_cast<char*>(mgr->data(c)) + (elem - origin(c)) * dtype_size(mgr->chunk(c).dtype());
+}
+
+std::pair<int64_t, int64_t> EngineContext::owned(const ManagedParam& p) const {
+  if (stage == 0) return {p.offset, p.offset + p.numel};
+  return mgr->family(p.family).layout->slot_in_shard(p.slot, rank);
+}
+
+void EngineContext::pin(ChunkId chunk, Tier tier, const std::vector<size_t>& slots) {
+  mgr->access(chunk, tier);
+  size_t done = 0;
+  try {
+    for (; done < slots.size(); ++done) mgr->transition(chunk, slots[done], TensorState::kCompute);
+  } catch (...) {
+    for (size_t k = 0; k < done; ++k) mgr->transition(chunk, slots[k], TensorState::kHold);
+    throw;
+  }
+}
+
+void EngineContext::unpin(ChunkId chunk, const std::vector<size_t>& slots) {
+  for (size_t s : slots) mgr->transition(chunk, s, TensorState::kHold);
+}
+
+std::vector<size_t> EngineContext::all_slots(ChunkId chunk) const {
+  std::vector<size_t> s(mgr->chunk(chunk).num_tensors());
+  for (size_t i = 0; i < s.size(); ++i) s[i] = i;
+  return s;
+}
+
+void EngineContext::read_ahead(const std::vector<ChunkId>& chunks, std::vector<offload::CopyTicket>& tickets,
+                               bool only_into_free) const {
+  std::vector<ChunkId> wanted;
+  uint64_t bytes = 0;
+  for (ChunkId c : chunks) {
+    const memory::Chunk& chunk = mgr->chunk(c);
+    const auto where = chunk.location();
+    if ((where && *where != Tier::kHost) || (!where && chunk.role() != memory::ChunkRole::kGrad)) {
+      wanted.push_back(c);
+      bytes += chunk.alloc_bytes();
+    }
+  }
+  const memory::TierStats host = mgr->tier_stats(Tier::kHost);
+  if (only_into_free && host.used + bytes > host.budget) return;
+  for (ChunkId c : wanted) tickets.push_back(mgr->prefetch(c, Tier::kHost));
+}
+
+void EngineContext::settle(std::vector<offload::CopyTicket>& tickets) {
+  for (auto& t : tickets) {
+    try {
+      offload::CopyEngine::wait(t);
+    } catch (const std::exception& e) {
+      STRATA_LOG(kDebug, "read-ahead failed, the access retried it: {}", e.what());
+    }
+  }
+  tickets.clear();
+}
+
+}  // namespace strata::parallel
+
+namespace strata::parallel {
+
+void make_chunk_manager(EngineContext& ctx, std::unique_ptr<memory::EvictionPolicy> policy) {
+  const EngineOptions& options = ctx.options;
+  memory::ChunkManagerOptions mo;
+  mo.budgets = options.budgets;
+  mo.world_size = ctx.world();
+  if (options.budgets.nvme > 0) {
+    offload::NvmeStoreOptions no;
+    no.directory = options.nvme_dir;
+    no.capacity = options.budgets.nvme;
+    mo.nvme = std::make_shared<memory::NvmeSwapStore>(no);
+  }
+  mo.policy = std::move(policy);
+  ctx.mgr = std::make_unique<memory::ChunkManager>(std::move(mo));
+  ctx.device = ctx.mgr->device().kind() == offload::DeviceKind::kCuda
+                   ? torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(ctx.mgr->device().index()))
+                   : torch::Device(torch::kCPU);
+}
+
+void register_parameters(EngineContext& ctx) {
+  const EngineOptions& options = ctx.options;
+  std::vector<memory::TensorSpec> specs;
+  for (const ManagedParam& p : ctx.params) specs.push_back({p.name, p.numel});
+  memory::FamilySpec spec;
+  spec.param_dtype = options.precision;
+  spec.optim_states = 2;
+  spec.shard = memory::ShardSpec{ctx.rank, ctx.stage >= 1, ctx.stage >= 2, ctx.stage >= 3};
+  memory::Registration reg;
+  if (options.chunk_elems > 0) {
+    reg = ctx.mgr->register_tensors(specs, spec, options.chunk_elems);
+  } else {
+    // Least padding in [64 Ki, 64 Mi] elements; the manager caps it at a quarter of the device budget.
+    reg = ctx.mgr->register_tensors(specs, spec, memory::ChunkSizeSearch{1 << 16, 64 << 20, 1 << 14, 1});
+  }
+  ctx.families = reg.families;
+  for (size_t i = 0; i < ctx.families.size(); ++i) ctx.family_pos[ctx.families[i]] = i;
+  for (size_t i = 0; i < ctx.params.size(); ++i) {
+    ManagedParam& p = ctx.params[i];
+    p.family = reg.tensors[i].family;
+    p.slot = reg.tensors[i].slot;
+    p.offset = reg.tensors[i].offset;
+    ctx.params_of_chunk[ctx.mgr->family(p.family).param].push_back(i);
+  }
+}
+
+void move_parameters_into_chunks(EngineContext& ctx) {
+  memory::ChunkManager& mgr = *ctx.mgr;
+  torch::NoGradGuard no_grad;
+  std::vector<torch::Tensor> values;
+  for (const ManagedParam& p : ctx.params) values.push_back(p.tensor.detach().to(torch::kCPU).contiguous());
+  if (ctx.data_parallel()) {
+    std::vector<WorkHandle> works;
+    for (torch::Tensor& v : values) works.push_back(broadcast(*ctx.comm, v, 0));
+    for (auto& w : works) w->wait();
+    ctx.collectives += static_cast<int64_t>(works.size());
+  }
+  for (memory::FamilyId f : ctx.families) {
+    for (ChunkId c : mgr.family(f).members()) {
+      for (size_t slot = 0; slot < mgr.chunk(c).num_tensors(); ++slot) mgr.transition(c, slot, TensorState::kHold);
+    }
+  }
+  const size_t esize = ctx.elem_size();
+  for (size_t i = 0; i < ctx.params.size(); ++i) {
+    ManagedParam& p = ctx.params[i];
+    const memory::ChunkFamily& fam = mgr.family(p.family);
+    const float* src = values[i].data_ptr<float>();
+    const auto [begin, end] = ctx.owned(p);
+    const auto copy_into = [&](ChunkId c, int64_t from, int64_t to, DType dtype) {
+      if (from >= to) return;
+      const std::vector<size_t> slots = mgr.chunk(c).shard() ? std::vector<size_t>{0} : std::vector<size_t>{p.slot};
+      ctx.pin(c, Tier::kHost, slots);
+      kernels::cast(src + (from - p.offset), DType::kFloat32, ctx.at(c, from), dtype, to - from);
+      ctx.unpin(c, slots);
+    };
+    if (fam.param_shard) {
+      copy_into(*fam.param_shard, begin, end, ctx.options.precision);  // the full chunk is gathered when used
+    } else {
+      copy_into(fam.param, p.offset, p.offset + p.numel, ctx.options.precision);
+    }
+    if (fam.master) copy_into(*fam.master, begin, end, DType::kFloat32);
+    p.storage = c10::make_intrusive<c10::StorageImpl>(c10::StorageImpl::use_byte_size_t(),
+                                                      static_cast<size_t>(p.numel) * esize,
+                                                      c10::DataPtr(nullptr, ctx.device), nullptr, false);
+    torch::Tensor view = torch::empty({0}, torch::TensorOptions().dtype(ctx.compute).device(ctx.device))
+                             .set_(c10::Storage(p.storage), 0, p.tensor.sizes(), p.tensor.strides());
+    p.tensor.set_data(view);
+  }
+}
+
+}  // namespace strata::parallel

@@ -1,0 +1,82 @@
+#pragma once
+// Engine::Impl: the engine's components over one shared context, and the
+// order they run in. attach.cpp builds it (attach and detach), engine.cpp
+// runs a step through it, checkpoint.cpp saves and loads its state.
+// Private to strata_parallel: not installed, not included by users.
+//
+// The components, each a file of its own (docs/architecture.md):
+//   context.h          EngineContext: options, chunk manager, parameters, families, communicator
+//   residency.h        chunks on the device for operators: pin, plan, prefetch, capacity
+//   grad_sink.h        gradients into their chunks
+//   zero/reducer.h     data-parallel gradient reduction (all-reduce, reduce-scatter)
+//   zero/gathers.h     ZeRO parameter gathers: per operator (stage 3), after the update (stages 1-2)
+//   step_pipeline.h    the optimizer step over families, NVMe-resident state, the loss scaler
+//   trace_recorder.h   the memory trace
+//   family_stream.h    checkpoint streaming, family by family
+
+#include <torch/nn/module.h>
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "../zero/gathers.h"
+#include "../zero/reducer.h"
+#include "context.h"
+#include "grad_sink.h"
+#include "residency.h"
+#include "step_pipeline.h"
+#include "strata/parallel/op_hook.h"
+#include "trace_recorder.h"
+
+namespace strata::parallel {
+
+struct Engine::Impl final : OpObserver {
+  // A frozen parameter or floating buffer cast to the compute precision.
+  struct Cast {
+    torch::Tensor tensor;
+    torch::ScalarType original;
+  };
+
+  /// attach: packs the module's trainable parameters into chunk families and
+  /// installs the hooks (attach.cpp).
+  Impl(torch::nn::Module& module, const AdamWConfig& optimizer, EngineOptions options,
+       std::shared_ptr<Communicator> comm);
+  /// Gives the parameters owned fp32 memory again (attach.cpp).
+  ~Impl() override;
+
+  StepResult train_step(const std::function<torch::Tensor()>& loss_fn);
+  torch::Tensor run(const std::function<torch::Tensor()>& fn);
+
+  // OpObserver: the components in the order an operator needs them.
+  void before_op(const c10::OperatorHandle& op, const std::vector<int64_t>& ids) override;
+  void after_op(const c10::OperatorHandle& op, const std::vector<int64_t>& ids) override;
+  bool observes_all_ops() const override { return tracing() || residency.capacity_enabled(); }
+  bool tracing() const { return recorder && recorder->recording(); }
+
+  EngineContext ctx;
+  Residency residency{ctx};
+  std::unique_ptr<GradientReducer> reducer;       // data parallel
+  std::unique_ptr<GradSink> sink;
+  std::unique_ptr<StepGathers> step_gathers;      // ZeRO stages 1-2
+  std::unique_ptr<OperatorGathers> op_gathers;    // ZeRO stage 3
+  std::unique_ptr<StepPipeline> pipeline;
+  std::unique_ptr<TraceRecorder> recorder;        // null: no trace
+  std::unique_ptr<OpHook> hook;
+  std::vector<Cast> casts;
+  std::vector<std::pair<std::string, torch::Tensor>> frozen;  // frozen parameters, for export_weights
+  int micro_steps = 0;
+  // A load that failed after it began changing chunks left the state mixed:
+  // training refuses until a load succeeds (Note [Loading a checkpoint]).
+  std::string poisoned;
+
+ private:
+  void detach() noexcept;
+};
+
+/// Copies the tensors of a safetensors file into `module`'s parameters,
+/// matched by named_parameters() name (EngineOptions::init_weights).
+void import_weights(torch::nn::Module& module, const std::string& path);
+
+}  // namespace strata::parallel

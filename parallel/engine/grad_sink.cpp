@@ -1,0 +1,79 @@
+#include "grad_sink.h"
+
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <algorithm>
+#include <functional>
+
+#include "../zero/reducer.h"
+#include "strata/core/error.h"
+
+namespace strata::parallel {
+
+namespace {
+
+class GradToChunk final : public torch::autograd::FunctionPreHook {
+ public:
+  explicit GradToChunk(std::function<void(const torch::Tensor&)> sink) : sink_(std::move(sink)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
+    if (!grads.empty() && grads[0].defined()) sink_(grads[0]);
+    return {torch::Tensor()};
+  }
+
+ private:
+  std::function<void(const torch::Tensor&)> sink_;
+};
+
+}  // namespace
+
+void GradSink::install() {
+  for (size_t i = 0; i < ctx_.params.size(); ++i) {
+    ManagedParam& p = ctx_.params[i];
+    p.accumulator = torch::autograd::impl::grad_accumulator(p.tensor);
+    STRATA_CHECK(p.accumulator != nullptr, "parameter ", p.name, " has no gradient accumulator");
+    p.accumulator->add_pre_hook(
+        std::make_unique<GradToChunk>([this, i](const torch::Tensor& grad) { accumulate(i, grad); }));
+  }
+}
+
+void GradSink::uninstall() noexcept {
+  for (ManagedParam& p : ctx_.params) {
+    if (!p.accumulator) continue;
+    auto& hooks = p.accumulator->pre_hooks();
+    hooks.erase(std::remove_if(hooks.begin(), hooks.end(),
+                               [](const auto& h) { return dynamic_cast<GradToChunk*>(h.get()) != nullptr; }),
+                hooks.end());
+    p.accumulator.reset();
+  }
+}
+
+void GradSink::accumulate(size_t index, const torch::Tensor& grad) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ManagedParam& p = ctx_.params[index];
+  const ChunkId gc = ctx_.mgr->family(p.family).grad;
+  ctx_.pin(gc, Tier::kHost, {p.slot});
+  try {
+    torch::NoGradGuard no_grad;
+    torch::Tensor dst = torch::from_blob(static_cast<char*>(ctx_.mgr->data(gc)) + p.offset * ctx_.elem_size(),
+                                         {p.numel}, torch::TensorOptions().dtype(ctx_.compute));
+    dst.add_(grad.detach().to(torch::kCPU, ctx_.compute).reshape({p.numel}));
+  } catch (...) {
+    ctx_.unpin(gc, {p.slot});
+    throw;
+  }
+  ctx_.unpin(gc, {p.slot});
+  p.has_grad = true;
+  if (reducer_ != nullptr && reducer_->active()) reducer_->arrived(p.family);
+}
+
+void GradSink::zero() {
+  for (memory::FamilyId f : ctx_.families) {
+    const memory::ChunkFamily& fam = ctx_.mgr->family(f);
+    ctx_.mgr->release(fam.grad);
+    if (fam.grad_shard) ctx_.mgr->release(*fam.grad_shard);
+  }
+  for (ManagedParam& p : ctx_.params) p.has_grad = false;
+}
+
+}  // namespace strata::parallel

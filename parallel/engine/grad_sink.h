@@ -1,0 +1,49 @@
+#pragma once
+// GradSink: where parameters' gradients go. A pre-hook on every parameter's
+// gradient accumulator adds the gradient into the parameter's slot of its
+// family's gradient chunk (Note [Gradients go straight to their chunk]) and
+// tells the data-parallel reducer, when there is one, that it arrived.
+// Between steps the gradient chunks are dropped (zero()).
+
+#include <mutex>
+
+#include "context.h"
+
+namespace strata::parallel {
+
+class GradientReducer;
+
+// Note [Gradients go straight to their chunk]
+// A tensor hook (Tensor::register_hook) cannot drop a gradient: an undefined
+// return value means "unchanged", so AccumulateGrad would still store it in
+// .grad and every parameter's gradient would exist twice until backward ends.
+// Instead a pre-hook sits on the parameter's AccumulateGrad node (the same
+// node in LibTorch 1.13 and 2.x, which both run Node::pre_hooks before
+// apply): it adds the gradient into the gradient chunk and returns an
+// undefined gradient, which AccumulateGrad ignores. The engine keeps the
+// node alive, since the parameter itself only holds it weakly.
+class GradSink {
+ public:
+  /// `reducer`: the data-parallel reducer told of each arrival, or null.
+  GradSink(EngineContext& ctx, GradientReducer* reducer) : ctx_(ctx), reducer_(reducer) {}
+
+  /// Puts the pre-hook on every parameter's gradient accumulator (after the
+  /// parameter got its chunk storage: a change of dtype gives it a new accumulator).
+  void install();
+  /// Takes the pre-hooks off again. Never throws.
+  void uninstall() noexcept;
+  /// Adds `grad` into parameter `index`'s slot of its gradient chunk, in the
+  /// compute precision, on host.
+  void accumulate(size_t index, const torch::Tensor& grad);
+  /// Drops every gradient chunk: the next backward materialises them
+  /// zero-filled on host, and a chunk evicted to NVMe is never read back
+  /// only to be cleared.
+  void zero();
+
+ private:
+  EngineContext& ctx_;
+  GradientReducer* reducer_;
+  std::mutex mu_;
+};
+
+}  // namespace strata::parallel

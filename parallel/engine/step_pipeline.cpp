@@ -1,0 +1,196 @@
+#include "step_pipeline.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "../zero/gathers.h"
+#include "grad_sink.h"
+#include "strata/core/log.h"
+
+namespace strata::parallel {
+
+StepPipeline::StepPipeline(EngineContext& ctx, GradSink& sink, StepGathers* gathers)
+    : ctx_(ctx), sink_(sink), gathers_(gathers) {
+  scale_ = ctx.options.precision == DType::kFloat16 ? ctx.options.loss_scale.initial : 1.0;
+}
+
+void StepPipeline::restore_scaler(double scale, int clean_steps, int64_t skipped) {
+  scale_ = ctx_.options.precision == DType::kFloat16 ? scale : 1.0;
+  clean_steps_ = clean_steps;
+  skipped_ = skipped;
+}
+
+void StepPipeline::place_optimizer_state() {
+  optim_on_nvme_.assign(ctx_.families.size(), false);
+  if (ctx_.options.budgets.nvme == 0) return;
+  std::vector<uint64_t> bytes;
+  for (memory::FamilyId f : ctx_.families) {
+    uint64_t b = 0;
+    for (ChunkId c : ctx_.optim_members(f)) b += ctx_.mgr->chunk(c).alloc_bytes();
+    bytes.push_back(b);
+  }
+  const size_t n = ctx_.families.size();
+  const size_t on_nvme =
+      memory::nvme_optim_families(bytes, ctx_.options.nvme_optim_fraction, ctx_.options.budgets.host);
+  for (size_t i = n - on_nvme; i < n; ++i) optim_on_nvme_[i] = true;
+}
+
+void StepPipeline::read_state_early() {
+  memory::ChunkManager& mgr = *ctx_.mgr;
+  const memory::TierStats host = mgr.tier_stats(Tier::kHost);
+  uint64_t reserve = 0;
+  for (memory::FamilyId f : ctx_.families) {
+    for (ChunkId c : {ctx_.step_grad(f), ctx_.step_param(f)}) {
+      if (!mgr.chunk(c).resident_on(Tier::kHost)) reserve += mgr.chunk(c).alloc_bytes();
+    }
+  }
+  uint64_t planned = host.used + reserve;
+  for (size_t i = 0; i < ctx_.families.size(); ++i) {
+    if (!optim_on_nvme_[i]) continue;
+    std::vector<ChunkId> wanted;
+    uint64_t bytes = 0;
+    for (ChunkId c : ctx_.optim_members(ctx_.families[i])) {
+      if (mgr.chunk(c).resident_on(Tier::kNvme)) {
+        wanted.push_back(c);
+        bytes += mgr.chunk(c).alloc_bytes();
+      }
+    }
+    if (planned + bytes > host.budget) break;
+    planned += bytes;
+    for (ChunkId c : wanted) early_.push_back(mgr.prefetch(c, Tier::kHost));
+  }
+}
+
+// One read of every gradient chunk; at stages 2-3 the ranks' partial sums of
+// their shards are summed in rank order, so every rank gets the same norm.
+kernels::GradStats StepPipeline::grad_stats() {
+  memory::ChunkManager& mgr = *ctx_.mgr;
+  kernels::GradStats total;
+  std::vector<offload::CopyTicket> ahead;
+  for (size_t i = 0; i < ctx_.families.size(); ++i) {
+    const ChunkId gc = ctx_.step_grad(ctx_.families[i]);
+    if (!mgr.chunk(gc).location()) continue;  // never materialised: no gradient, zero
+    const auto slots = ctx_.all_slots(gc);
+    const auto waited_from = Clock::now();
+    ctx_.pin(gc, Tier::kHost, slots);
+    ctx_.wait.optimizer += seconds_since(waited_from);
+    if (i + 1 < ctx_.families.size() && ctx_.options.prefetch) {
+      ctx_.read_ahead({ctx_.step_grad(ctx_.families[i + 1])}, ahead, /*only_into_free=*/true);
+    }
+    total.merge(kernels::grad_stats(mgr.data(gc), ctx_.options.precision, mgr.chunk(gc).capacity_elems()));
+    ctx_.unpin(gc, slots);
+  }
+  EngineContext::settle(ahead);
+  if (ctx_.stage >= 2) {
+    const std::vector<double> all = all_gather_values(*ctx_.comm, {total.sum_sq, total.finite ? 0.0 : 1.0});
+    ctx_.collectives += 1;
+    total = kernels::GradStats{};
+    for (int r = 0; r < ctx_.world(); ++r) total.merge({all[2 * r], all[2 * r + 1] == 0.0});
+  }
+  return total;
+}
+
+// Pins family `index` on host, calls `pinned_hook` (the read-ahead of the
+// next family, which must not evict this one), then updates it.
+void StepPipeline::update_family(size_t index, float grad_scale, const std::function<void()>& pinned_hook) {
+  const memory::FamilyId f = ctx_.families[index];
+  const memory::ChunkFamily& fam = ctx_.mgr->family(f);
+  const AdamWConfig& opt = ctx_.opt;
+  const auto waited_from = Clock::now();
+  ctx_.with_on_host(ctx_.step_members(f), [&] {
+    ctx_.wait.optimizer += seconds_since(waited_from);  // the pins above waited for the chunks
+    pinned_hook();
+    const ChunkId pc = ctx_.step_param(f), gc = ctx_.step_grad(f);
+    const ChunkId mc = fam.master ? *fam.master : pc;  // fp32 values: the master, or the fp32 parameters
+    kernels::AdamParams ap;
+    ap.lr = opt.lr;
+    ap.beta1 = opt.beta1;
+    ap.beta2 = opt.beta2;
+    ap.eps = opt.eps;
+    ap.weight_decay = opt.weight_decay;
+    ap.grad_scale = grad_scale;
+    ap.grads_known_finite = true;  // grad_stats() checked every chunk
+    for (size_t i : ctx_.params_of_chunk[fam.param]) {
+      ManagedParam& p = ctx_.params[i];
+      if (!p.has_grad) continue;  // unused this step: no update, as torch.optim
+      ap.step = ++p.steps;
+      const auto [begin, end] = ctx_.owned(p);  // Note [ZeRO over chunks]: this rank's part
+      if (begin >= end) continue;
+      kernels::OptimSpans s;
+      s.n = end - begin;
+      s.master = reinterpret_cast<float*>(ctx_.at(mc, begin));
+      s.grad = ctx_.at(gc, begin);
+      s.grad_dtype = ctx_.options.precision;
+      s.state0 = reinterpret_cast<float*>(ctx_.at(fam.optim_states[0], begin));
+      s.state1 = reinterpret_cast<float*>(ctx_.at(fam.optim_states[1], begin));
+      if (fam.master) {
+        s.param_copy = ctx_.at(pc, begin);
+        s.param_dtype = ctx_.options.precision;
+      }
+      kernels::adam_step(ap, s);
+    }
+  });
+}
+
+bool StepPipeline::step(double& grad_norm) {
+  const EngineOptions& options = ctx_.options;
+  const double average = 1.0 / (options.grad_accumulation * ctx_.world());
+  const kernels::GradStats total = grad_stats();
+  if (!total.finite) {
+    skipped_ += 1;
+    clean_steps_ = 0;
+    if (options.precision == DType::kFloat16) {
+      const double next = std::max(scale_ * options.loss_scale.backoff, options.loss_scale.min_scale);
+      STRATA_LOG(kInfo, "fp16 gradients overflowed at loss scale {}: step skipped, scale now {}", scale_, next);
+      scale_ = next;
+    } else {
+      STRATA_LOG(kWarn, "gradients hold inf or nan in a {} run: step skipped", dtype_name(options.precision));
+    }
+    EngineContext::settle(early_);
+    sink_.zero();
+    return false;
+  }
+  grad_norm = std::sqrt(total.sum_sq) * average / scale_;
+  double multiplier = average / scale_;
+  if (options.clip_norm > 0) multiplier *= kernels::clip_coefficient(grad_norm, options.clip_norm);
+
+  const std::vector<memory::FamilyId>& families = ctx_.families;
+  std::vector<offload::CopyTicket> ahead, behind;
+  try {
+    for (size_t i = 0; i < families.size(); ++i) {
+      update_family(i, static_cast<float>(multiplier), [&] {
+        if (i + 1 < families.size() && options.prefetch) {
+          ctx_.read_ahead(ctx_.step_members(families[i + 1]), ahead, /*only_into_free=*/true);
+        }
+      });
+      if (optim_on_nvme_[i]) {
+        for (ChunkId c : ctx_.optim_members(families[i])) behind.push_back(ctx_.mgr->prefetch(c, Tier::kNvme));
+      }
+      if (gathers_ != nullptr) {
+        gathers_->start(families[i]);
+        gathers_->finish(1);  // the previous family's gather overlapped this family's update
+      }
+    }
+    if (gathers_ != nullptr) gathers_->finish(0);
+  } catch (...) {
+    try {
+      if (gathers_ != nullptr) gathers_->finish(0);
+    } catch (...) {  // the first failure is the one reported
+    }
+    EngineContext::settle(ahead);
+    EngineContext::settle(early_);
+    for (auto& t : behind) t.wait();
+    throw;
+  }
+  EngineContext::settle(ahead);
+  EngineContext::settle(early_);  // started before backward; the accesses above waited for them (counted) or retried them
+  for (auto& t : behind) offload::CopyEngine::wait(t);  // a failed write-back is the step's error
+  sink_.zero();
+  if (options.precision == DType::kFloat16 && ++clean_steps_ >= options.loss_scale.growth_interval) {
+    scale_ *= options.loss_scale.growth_factor;
+    clean_steps_ = 0;
+  }
+  return true;
+}
+
+}  // namespace strata::parallel

@@ -1,0 +1,67 @@
+#pragma once
+// StepPipeline: the optimizer step over chunk families, and the state it
+// keeps between steps: where each family's optimizer state lives (host or
+// NVMe, memory::nvme_optim_families), the loss scaler, and the reads of
+// NVMe-resident state started before backward (Note [The step pipeline]).
+
+#include <vector>
+
+#include "context.h"
+#include "strata/kernels/optim.h"
+
+namespace strata::parallel {
+
+class GradSink;
+class StepGathers;
+
+// Note [The step pipeline]
+// Before backward, the optimizer state on NVMe starts coming back to host,
+// family by family, as far as the host's free bytes allow after reserving
+// room for the gradient and parameter chunks (read_state_early), so those
+// reads overlap backward. The step visits chunk families in order. With
+// family i pinned on host it starts (on the chunk manager's copy engine) the
+// reads of family i+1's chunks that are not on host, when they fit in the
+// host tier's free bytes; after updating family i it starts the write-back
+// to NVMe of its optimizer state when that state lives there. So while the
+// kernel updates family i, family i+1 is read and family i-1 written: the
+// optimizer waits on NVMe only when the disk is slower than the update.
+// Budgets still hold: the reads and write-backs are ordinary chunk moves,
+// evicting as they need.
+class StepPipeline {
+ public:
+  /// `sink` drops the gradients after a step; `gathers` (ZeRO stages 1-2,
+  /// else null) all-gathers each family's updated parameter chunk.
+  StepPipeline(EngineContext& ctx, GradSink& sink, StepGathers* gathers);
+
+  /// Decides, once the families exist, which keep their optimizer state on NVMe.
+  void place_optimizer_state();
+  const std::vector<bool>& optim_on_nvme() const { return optim_on_nvme_; }
+  /// Before the backward that ends an accumulation: starts reading the
+  /// optimizer state on NVMe back to host, as far as it fits.
+  void read_state_early();
+  /// Global norm and overflow check of the (reduced) gradients, then the
+  /// update of every family. Returns false when the step was skipped for
+  /// overflow (fp16: the loss scale backs off). `grad_norm`: unscaled, before clipping.
+  bool step(double& grad_norm);
+
+  double loss_scale() const { return scale_; }
+  int64_t skipped() const { return skipped_; }
+  /// The scaler's state, for checkpoints.
+  int clean_steps() const { return clean_steps_; }
+  void restore_scaler(double scale, int clean_steps, int64_t skipped);
+
+ private:
+  kernels::GradStats grad_stats();
+  void update_family(size_t index, float grad_scale, const std::function<void()>& pinned_hook);
+
+  EngineContext& ctx_;
+  GradSink& sink_;
+  StepGathers* gathers_;
+  std::vector<bool> optim_on_nvme_;  // parallel to ctx.families
+  std::vector<offload::CopyTicket> early_;
+  double scale_ = 1.0;  // the loss scale
+  int clean_steps_ = 0;
+  int64_t skipped_ = 0;
+};
+
+}  // namespace strata::parallel

@@ -1,0 +1,61 @@
+#pragma once
+// GradientReducer: averages gradient chunks over the data-parallel ranks
+// during backward, chunk family by chunk family (Note [Data parallel
+// gradients]): an all-reduce of the full gradient chunk at ZeRO stages 0 and
+// 1, a reduce-scatter into the rank's gradient shard at stages 2 and 3 (Note
+// [ZeRO over chunks]).
+
+#include <mutex>
+#include <vector>
+
+#include "../engine/context.h"
+
+namespace strata::parallel {
+
+// Note [Data parallel gradients]
+// With a communicator of more than one rank, every rank trains a replica on
+// its own batch and the gradient chunks are averaged before the step. On the
+// micro-step that ends an accumulation, a family's gradient chunk is
+// all-reduced as soon as all its parameters' gradients are in, while the
+// rest of backward runs. Reductions are issued in descending family order
+// on every rank (backward reaches the last families first), so the ranks
+// issue the same collectives in the same order whatever their timing: a
+// family whose gradients are not all in yet holds back the ones after it.
+// Parameters a rank did not use this step (another branch) never deliver a
+// gradient there, so after backward the remaining families are reduced with
+// zeros for them, and one more all-reduce (max) of per-parameter "has a
+// gradient" flags tells every rank which parameters any rank used, so all
+// update the same ones. Accumulation micro-steps communicate nothing.
+class GradientReducer {
+ public:
+  explicit GradientReducer(EngineContext& ctx);
+
+  /// Before the backward that ends an accumulation.
+  void begin();
+  /// Between begin() and finish(): gradients arriving are counted.
+  bool active() const { return active_; }
+  /// A gradient of a parameter of family `f` is in its chunk: issues the
+  /// reductions that became ready, in order, and at stages 2-3 releases the
+  /// full gradient chunks whose reduce-scatter completed.
+  void arrived(memory::FamilyId f);
+  /// After backward: the remaining families and the "has a gradient" flags,
+  /// then every reduction waited for. The first failure is rethrown.
+  void finish();
+
+ private:
+  void issue(size_t pos);
+  void settle(size_t pos);
+  void settle_done();
+  void issue_ready();
+
+  EngineContext& ctx_;
+  std::mutex mu_;
+  bool active_ = false;
+  std::vector<size_t> arrived_;  // per family position; complete at params_of_chunk[its param chunk].size()
+  // Per family position: null before it is issued (positions below cursor_)
+  // and again once settled.
+  std::vector<WorkHandle> reductions_;
+  size_t cursor_ = 0;  // families at positions >= this have been issued
+};
+
+}  // namespace strata::parallel
