@@ -5,7 +5,10 @@
 //   gpt [--data FILE] [--steps 120] [--layers 4] [--dim 128] [--context 64] [--batch 16]
 //       [--device-budget B] [--host-budget B] [--nvme-budget B] [--nvme-dir DIR]
 //       [--precision fp32|bf16|fp16] [--grad-accumulation N] [--clip-norm 1]
-//       [--nvme-optim-fraction F] [--chunk-elems N] [--lr 3e-3] [--baseline]
+//       [--nvme-optim-fraction F] [--chunk-elems N] [--lr 3e-3] [--optimizer adamw|adam|lion|sgd]
+//       [--weight-decay 0.1] [--warmup N] [--schedule cosine|linear|constant] [--schedule-steps N]
+//       [--min-lr-ratio 0.1]
+//       [--decay-all] [--baseline]
 //       [--save-every N] [--checkpoint-dir DIR] [--resume DIR] [--export-weights FILE]
 //       [--zero-stage 0-3]
 //
@@ -14,6 +17,11 @@
 // --resume DIR loads one and continues from its step, with the same data
 // order, so an interrupted run resumed finishes as the uninterrupted one.
 // --export-weights writes the trained weights as safetensors at the end.
+// The optimizer is AdamW by default, as LLM recipes run it: linear warm-up
+// over --warmup steps (a tenth of the schedule by default), then cosine decay
+// to --min-lr-ratio of --lr at --schedule-steps (--steps by default; a
+// checkpoint keeps the schedule, so --resume continues on it), and no weight decay on biases, norm
+// weights and embeddings (--decay-all puts every parameter in one group).
 // Under `strata run -n N` it trains data parallel, each rank on batches of its
 // own, with --zero-stage sharding optimizer state (1), gradients (2) and
 // parameters (3) over the ranks.
@@ -54,7 +62,10 @@ std::string env_or(const char* name, const std::string& fallback) {
 int run(int argc, char** argv) {
   int steps = 120, batch = 16;
   GptConfig mc;
-  float lr = 3e-3f;
+  double lr = 3e-3, weight_decay = 0.1, min_lr_ratio = 0.1;
+  int warmup = -1, schedule_steps = 0;
+  std::string optimizer = "adamw", schedule = "cosine";
+  bool decay_all = false;
   // Engine options: the environment first, flags over it.
   strata::parallel::EngineOptions defaults;
   defaults.clip_norm = 1.0;
@@ -73,7 +84,18 @@ int run(int argc, char** argv) {
   app.add_option("--heads", mc.heads)->check(CLI::PositiveNumber);
   app.add_option("--context", mc.context)->check(CLI::PositiveNumber);
   app.add_option("--batch", batch)->check(CLI::PositiveNumber);
-  app.add_option("--lr", lr);
+  app.add_option("--lr", lr, "peak learning rate")->check(CLI::NonNegativeNumber);
+  app.add_option("--optimizer", optimizer, "adamw, adam, lion or sgd")
+      ->check(CLI::IsMember({"adamw", "adam", "lion", "sgd"}));
+  app.add_option("--weight-decay", weight_decay)->check(CLI::NonNegativeNumber);
+  app.add_option("--warmup", warmup, "linear warm-up steps; -1: a tenth of --steps")->check(CLI::Range(-1, 1 << 30));
+  app.add_option("--schedule", schedule, "decay after warm-up: cosine, linear or constant")
+      ->check(CLI::IsMember({"cosine", "linear", "constant"}));
+  app.add_option("--schedule-steps", schedule_steps,
+                 "the schedule's length in steps; 0: --steps (set it to stop early and --resume later on the same schedule)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--min-lr-ratio", min_lr_ratio, "the decay ends at this fraction of --lr")->check(CLI::Range(0.0, 1.0));
+  app.add_flag("--decay-all", decay_all, "weight decay on every parameter (default: none on biases, norms, embeddings)");
   app.add_option("--device-budget", device_budget, "auto: a quarter of the model state");
   app.add_option("--host-budget", host_budget, "auto: half of the model state");
   app.add_option("--nvme-budget", nvme_budget, "auto: twice the model state; 0: no nvme tier");
@@ -104,21 +126,35 @@ int run(int argc, char** argv) {
   torch::manual_seed(0);
   Gpt model(mc);
   const int64_t params = strata::examples::count_parameters(*model);
-  const uint64_t state = static_cast<uint64_t>(params) * strata::parallel::model_state_bytes_per_param(opts.precision);
+  namespace sp = strata::parallel;
+  sp::OptimizerConfig cfg;
+  cfg.kind = sp::parse_optimizer(optimizer);
+  cfg.lr = lr;
+  cfg.weight_decay = weight_decay;
+  if (cfg.kind == sp::OptimizerKind::kLion) cfg.beta2 = 0.99;
+  if (cfg.kind == sp::OptimizerKind::kSgd) cfg.momentum = 0.9;
+  if (!decay_all) cfg.groups.push_back(sp::no_decay_group(*model));
+  if (schedule_steps == 0) schedule_steps = steps;
+  if (warmup < 0) warmup = schedule_steps / 10;
+  warmup = std::min(warmup, schedule_steps);
+  if (schedule == "cosine") cfg.schedule = sp::LrSchedule::warmup_cosine(warmup, schedule_steps, min_lr_ratio);
+  if (schedule == "linear") cfg.schedule = sp::LrSchedule::warmup_linear(warmup, schedule_steps, min_lr_ratio);
+  const uint64_t state =
+      static_cast<uint64_t>(params) * sp::model_state_bytes_per_param(opts.precision, cfg.state_count());
   auto budget = [&](const std::string& s, double fraction) {
     return s == "auto" ? strata::round_up(static_cast<uint64_t>(state * fraction), 4096) : strata::parse_bytes(s);
   };
   opts.budgets = {budget(device_budget, 0.25), budget(host_budget, 0.5), budget(nvme_budget, 2.0)};
   opts.nvme_dir = nvme_dir;
-  strata::parallel::AdamWConfig cfg;
-  cfg.lr = lr;
   if (baseline) {
-    // Plain LibTorch, everything resident: the reference point for strata's figures.
+    // Plain LibTorch, everything resident: the reference point for strata's
+    // figures (AdamW, one group, the same schedule).
     torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(lr).weight_decay(cfg.weight_decay));
     const auto t0 = std::chrono::steady_clock::now();
     double loss = 0;
     for (int step = 1; step <= steps; ++step) {
       const auto [x, y] = strata::examples::sample_batch(corpus, batch, mc.context);
+      static_cast<torch::optim::AdamWOptions&>(opt.param_groups()[0].options()).lr(lr * cfg.schedule.factor(step - 1));
       opt.zero_grad();
       torch::Tensor l = model->loss(x, y);
       l.backward();
@@ -145,7 +181,13 @@ int run(int argc, char** argv) {
   if (comm) torch::manual_seed(1 + rv.rank);  // each rank's own batches
   fmt::print("corpus: {} bytes; model: {} layers, dim {}, context {}, {} parameters, {}\n", corpus.size(0), mc.layers,
              mc.dim, mc.context, params, strata::dtype_name(opts.precision));
-  fmt::print("model state {} (params, grads, master weights, AdamW m and v) on budgets: device {} ({:.1f}x smaller, "
+  fmt::print("optimizer {}, lr {:g} with {} steps of warm-up and {} decay to {:g}x; groups:", optimizer, lr, warmup,
+             schedule, min_lr_ratio);
+  for (const std::string& g : engine->param_groups()) {
+    fmt::print(" {} ({} tensors)", g, engine->group_parameters(g).size());
+  }
+  fmt::print("\n");
+  fmt::print("model state {} (params, grads, master weights, optimizer state) on budgets: device {} ({:.1f}x smaller, "
              "{}), host {}, nvme {} in {}; optimizer state of {} of {} chunk families on nvme\n",
              strata::format_bytes(state), strata::format_bytes(opts.budgets.device),
              static_cast<double>(state) / opts.budgets.device, engine->chunks().device().name(),
@@ -178,8 +220,8 @@ int run(int argc, char** argv) {
       const mem::MoveStats m = engine->chunks().move_stats();
       auto moved = [&](mem::Tier a, mem::Tier b) { return strata::format_bytes(m.bytes[int(a)][int(b)]); };
       const int width = 24, done = width * step / steps;
-      fmt::print("{}[{}{}] step {}/{} loss {:.3f} tok/s {:.0f}{} | h>d {} d>h {} h>n {} n>h {} n>d {}{}", tty ? "\r" : "",
-                 std::string(done, '#'), std::string(width - done, '.'), step, steps, avg,
+      fmt::print("{}[{}{}] step {}/{} loss {:.3f} lr {:.2e} tok/s {:.0f}{} | h>d {} d>h {} h>n {} n>h {} n>d {}{}", tty ? "\r" : "",
+                 std::string(done, '#'), std::string(width - done, '.'), step, steps, avg, engine->lr(),
                  step * batch * mc.context / secs,
                  opts.precision == strata::DType::kFloat16 ? fmt::format(" scale {:g}", engine->loss_scale()) : "", moved(mem::Tier::kHost, mem::Tier::kDevice),
                  moved(mem::Tier::kDevice, mem::Tier::kHost), moved(mem::Tier::kHost, mem::Tier::kNvme),

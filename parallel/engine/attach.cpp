@@ -25,15 +25,16 @@ NonModelCounter& non_model_counter(const torch::Device& device) {
 
 }  // namespace
 
-Engine::Impl::Impl(torch::nn::Module& module, const AdamWConfig& optimizer, EngineOptions options,
+Engine::Impl::Impl(torch::nn::Module& module, OptimizerConfig optimizer, EngineOptions options,
                    std::shared_ptr<Communicator> comm) {
   options.validate();
+  optimizer.validate();
   ctx.comm = std::move(comm);
   STRATA_CHECK(!ctx.data_parallel() || options.precision != DType::kBFloat16,
                "data parallel training reduces gradients with Gloo, which sums fp32 and fp16 but not bf16; "
                "use fp32 or fp16 with more than one rank");
   if (!options.init_weights.empty()) import_weights(module, options.init_weights);
-  ctx.opt = optimizer;
+  ctx.optimizer = std::move(optimizer);
   ctx.options = options;
   ctx.compute = scalar_type_of(options.precision);
   ctx.stage = ctx.data_parallel() ? options.zero_stage : 0;
@@ -68,6 +69,7 @@ Engine::Impl::Impl(torch::nn::Module& module, const AdamWConfig& optimizer, Engi
     if (b.is_floating_point() && b.scalar_type() != ctx.compute) casts.push_back({b, b.scalar_type()});
   }
 
+  assign_groups(ctx);
   register_parameters(ctx);
   if (ctx.data_parallel()) check_same_layout_on_every_rank(ctx);  // before any collective pairs buffers
 

@@ -3,9 +3,15 @@
 // Note [Saving a checkpoint]
 // A checkpoint holds what training needs to continue bit for bit, in a form
 // that does not depend on placement: per parameter (by name, in the module's
-// naming) its fp32 master weights, AdamW exp_avg and exp_avg_sq, the compute
-// copy in mixed precision, the gradient when saved mid-accumulation, and its
-// step count; the loss scaler, the accumulation position and the RNG states.
+// naming) its fp32 master weights, its optimizer state under torch's names
+// (exp_avg and exp_avg_sq for Adam and AdamW, exp_avg for Lion,
+// momentum_buffer for SGD with momentum), the compute copy in mixed
+// precision, the gradient when saved mid-accumulation, and its step count;
+// the optimizer's kind, each parameter group's hyper-parameters, the
+// learning-rate schedule and its position, the loss scaler, the accumulation
+// position and the RNG states. load() restores the hyper-parameters and the
+// schedule (as torch's load_state_dict does) and refuses a checkpoint of
+// another optimizer.
 // Chunk sizes, budgets and tiers are not in it, so any budgets and placement
 // load it. The tensors go to safetensors files, written chunk family by chunk
 // family: each family's chunks are brought to host and pinned (from the device
@@ -39,6 +45,7 @@
 // rank, so all of them fail at once instead of waiting for a timeout, and
 // the previous checkpoint stays.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <torch/torch.h>
 
 #include <cstring>
@@ -113,6 +120,35 @@ std::vector<std::string> all_gather_bytes(Communicator& comm, const std::string&
   return all;
 }
 
+// The optimizer's kind, state arrays, each group's hyper-parameters and the
+// schedule with its position (Note [Saving a checkpoint]).
+json optimizer_state(const EngineContext& s, int64_t optimizer_steps) {
+  json groups = json::array();
+  for (const GroupSettings& g : s.groups) {
+    groups.push_back({{"name", g.name}, {"lr", g.lr}, {"weight_decay", g.weight_decay}, {"beta1", g.beta1},
+                      {"beta2", g.beta2}, {"eps", g.eps}, {"momentum", g.momentum}});
+  }
+  const LrSchedule& sch = s.optimizer.schedule;
+  return {{"kind", optimizer_name(s.optimizer.kind)},
+          {"states", s.optimizer.state_names()},
+          {"dampening", s.optimizer.dampening},
+          {"nesterov", s.optimizer.nesterov},
+          {"groups", groups},
+          {"schedule", {{"kind", sch.kind_name()}, {"warmup_steps", sch.warmup_steps}, {"total_steps", sch.total_steps},
+                        {"warmup_start_factor", sch.warmup_start_factor}, {"min_lr_ratio", sch.min_lr_ratio}}},
+          {"optimizer_steps", optimizer_steps}};
+}
+
+LrSchedule::Kind schedule_kind(const std::string& name) {
+  for (LrSchedule::Kind k : {LrSchedule::Kind::kConstant, LrSchedule::Kind::kWarmupCosine,
+                             LrSchedule::Kind::kWarmupLinear}) {
+    LrSchedule probe;
+    probe.kind = k;
+    if (name == probe.kind_name()) return k;
+  }
+  STRATA_FAIL("unknown lr schedule \"", name, "\"");
+}
+
 }  // namespace
 
 // See Note [Saving a checkpoint] and Note [Checkpoints across ranks].
@@ -149,14 +185,17 @@ void Engine::save(const std::string& dir) {
     std::unique_ptr<SafetensorsWriter> w;
   };
   std::vector<Out> outs;
+  const std::vector<std::string> state_names = s.optimizer.state_names();
+  const size_t fp32_outs = 1 + state_names.size();  // the fp32 values and each optimizer state
   if (lead) try {
     w.emplace(dir, kKind);
     outs.push_back({"master.safetensors", std::make_unique<SafetensorsWriter>(
                                               w->path("master.safetensors"), fp32,
                                               std::map<std::string, std::string>{{"format", "pt"}})});
-    outs.push_back({"exp_avg.safetensors", std::make_unique<SafetensorsWriter>(w->path("exp_avg.safetensors"), fp32)});
-    outs.push_back(
-        {"exp_avg_sq.safetensors", std::make_unique<SafetensorsWriter>(w->path("exp_avg_sq.safetensors"), fp32)});
+    for (const std::string& state : state_names) {
+      const std::string file = state + ".safetensors";
+      outs.push_back({file, std::make_unique<SafetensorsWriter>(w->path(file), fp32)});
+    }
     if (mixed) {
       outs.push_back({"param.safetensors", std::make_unique<SafetensorsWriter>(w->path("param.safetensors"), compute)});
     }
@@ -165,12 +204,13 @@ void Engine::save(const std::string& dir) {
     failed();
   }
 
-  // What is written per family: the fp32 values, exp_avg, exp_avg_sq, the
-  // compute copy (mixed precision) and gradients (mid-accumulation).
+  // What is written per family: the fp32 values, the optimizer state
+  // (exp_avg and exp_avg_sq for Adam), the compute copy (mixed precision)
+  // and gradients (mid-accumulation).
   auto members = [&](memory::FamilyId f) {
     const memory::ChunkFamily& fam = s.mgr->family(f);
-    std::vector<ChunkId> chunks = {fam.master ? *fam.master : s.step_param(f), fam.optim_states[0],
-                                   fam.optim_states[1]};
+    std::vector<ChunkId> chunks = {fam.master ? *fam.master : s.step_param(f)};
+    chunks.insert(chunks.end(), fam.optim_states.begin(), fam.optim_states.end());
     if (mixed) chunks.push_back(s.step_param(f));
     if (mid) chunks.push_back(fam.grad);
     return chunks;
@@ -189,7 +229,7 @@ void Engine::save(const std::string& dir) {
         if (!writing) return;
         try {
           for (size_t k = 0; k < outs.size(); ++k) {
-            const size_t esize = k < 3 ? sizeof(float) : s.elem_size();
+            const size_t esize = k < fp32_outs ? sizeof(float) : s.elem_size();
             outs[k].w->append(base[k] + static_cast<size_t>(p.offset) * esize, static_cast<size_t>(p.numel) * esize);
           }
         } catch (...) {
@@ -255,8 +295,7 @@ void Engine::save(const std::string& dir) {
                         {"skipped_steps", impl.pipeline->skipped()},
                         {"world_size", s.world()},
                         {"zero_stage", s.stage},
-                        {"adamw", {{"lr", s.opt.lr}, {"beta1", s.opt.beta1}, {"beta2", s.opt.beta2},
-                                   {"eps", s.opt.eps}, {"weight_decay", s.opt.weight_decay}}},
+                        {"optimizer", optimizer_state(s, impl.pipeline->optimizer_steps())},
                         {"rng", rng},
                         {"parameters", params}};
     w->write_text("state.json", state.dump(1) + "\n");
@@ -301,6 +340,14 @@ void Engine::load(const std::string& dir) {
   double scale = 1.0;
   std::vector<std::string> rng_files;
   std::string precision;
+  // Checkpoints from before optimizer groups hold AdamW state and no "optimizer" entry.
+  std::string saved_kind = "adamw";
+  std::vector<std::string> saved_states = {"exp_avg", "exp_avg_sq"};
+  std::vector<GroupSettings> saved_groups;
+  std::optional<LrSchedule> saved_schedule;
+  double dampening = s.optimizer.dampening;
+  bool nesterov = s.optimizer.nesterov;
+  int64_t optimizer_steps = 0;
   try {
     STRATA_CHECK(st.at("format") == "strata-engine-state", "not an engine state");
     precision = st.at("precision").get<std::string>();
@@ -310,6 +357,29 @@ void Engine::load(const std::string& dir) {
     clean_steps = st.at("clean_steps").get<int>();
     skipped = st.at("skipped_steps").get<int64_t>();
     rng_files = st.at("rng").get<std::vector<std::string>>();
+    if (st.contains("optimizer")) {
+      const json& o = st.at("optimizer");
+      saved_kind = o.at("kind").get<std::string>();
+      saved_states = o.at("states").get<std::vector<std::string>>();
+      dampening = o.at("dampening").get<double>();
+      nesterov = o.at("nesterov").get<bool>();
+      for (const json& g : o.at("groups")) {
+        saved_groups.push_back({g.at("name").get<std::string>(), g.at("lr").get<double>(),
+                                g.at("weight_decay").get<double>(), g.at("beta1").get<double>(),
+                                g.at("beta2").get<double>(), g.at("eps").get<double>(), g.at("momentum").get<double>()});
+      }
+      const json& sch = o.at("schedule");
+      LrSchedule schedule;
+      schedule.kind = schedule_kind(sch.at("kind").get<std::string>());
+      schedule.warmup_steps = sch.at("warmup_steps").get<int64_t>();
+      schedule.total_steps = sch.at("total_steps").get<int64_t>();
+      schedule.warmup_start_factor = sch.at("warmup_start_factor").get<double>();
+      schedule.min_lr_ratio = sch.at("min_lr_ratio").get<double>();
+      schedule.validate();
+      saved_schedule = schedule;
+      optimizer_steps = o.at("optimizer_steps").get<int64_t>();
+      STRATA_CHECK(optimizer_steps >= 0, "negative optimizer_steps");
+    }
     for (const json& p : st.at("parameters")) {
       Saved v{p.at("shape").get<std::vector<int64_t>>(), p.at("steps").get<int64_t>(), p.at("has_grad").get<bool>()};
       STRATA_CHECK(saved.emplace(p.at("name").get<std::string>(), v).second, "parameter ", p.at("name"), " twice");
@@ -319,6 +389,12 @@ void Engine::load(const std::string& dir) {
   }
   STRATA_CHECK(grad_accumulation >= 1 && micro_steps >= 0 && scale >= 1.0, state_path,
                ": out-of-range accumulation, micro-step or loss scale");
+  STRATA_CHECK(saved_kind == optimizer_name(s.optimizer.kind) && saved_states == s.optimizer.state_names(),
+               "checkpoint ", r.dir(), " holds the state of optimizer ", saved_kind, " (",
+               fmt::format("{}", fmt::join(saved_states, ", ")), "), but this engine runs ",
+               optimizer_name(s.optimizer.kind), " (", fmt::format("{}", fmt::join(s.optimizer.state_names(), ", ")),
+               "); attach with the optimizer it was saved with to resume it, or start from its weights "
+               "(export_weights, EngineOptions::init_weights)");
   const bool mid = micro_steps % grad_accumulation != 0;
   STRATA_CHECK(!mid || !s.data_parallel(), "checkpoint ", r.dir(), " holds gradients mid-accumulation, which are "
                "one process's own; load it with one rank");
@@ -366,8 +442,8 @@ void Engine::load(const std::string& dir) {
     return reader;
   };
   const auto master = open("master.safetensors", "F32");
-  const auto m = open("exp_avg.safetensors", "F32");
-  const auto v = open("exp_avg_sq.safetensors", "F32");
+  std::vector<std::unique_ptr<SafetensorsReader>> states;
+  for (const std::string& state : s.optimizer.state_names()) states.push_back(open(state + ".safetensors", "F32"));
   // The compute copy when it was saved in this precision; otherwise it is cast from the master.
   std::unique_ptr<SafetensorsReader> param, grad;
   if (s.options.precision != DType::kFloat32 && r.has("param.safetensors") &&
@@ -384,8 +460,8 @@ void Engine::load(const std::string& dir) {
     // instead of reading them back from the device or NVMe.
     auto fresh_members = [&](memory::FamilyId f) {
       const memory::ChunkFamily& fam = s.mgr->family(f);
-      std::vector<ChunkId> chunks = {fam.master ? *fam.master : s.step_param(f), fam.optim_states[0],
-                                     fam.optim_states[1]};
+      std::vector<ChunkId> chunks = {fam.master ? *fam.master : s.step_param(f)};
+      chunks.insert(chunks.end(), fam.optim_states.begin(), fam.optim_states.end());
       if (fam.master) chunks.push_back(s.step_param(f));
       if (mid) chunks.push_back(fam.grad);
       for (ChunkId c : chunks) s.mgr->release(c);
@@ -408,8 +484,7 @@ void Engine::load(const std::string& dir) {
       const memory::FamilyId f = p.family;
       const ChunkId mc = fam.master ? *fam.master : s.step_param(f);
       read(*master, p, mc);
-      read(*m, p, fam.optim_states[0]);
-      read(*v, p, fam.optim_states[1]);
+      for (size_t k = 0; k < states.size(); ++k) read(*states[k], p, fam.optim_states[k]);
       if (fam.master) {
         const ChunkId pc = s.step_param(f);
         if (param) {
@@ -453,6 +528,16 @@ void Engine::load(const std::string& dir) {
   }
   impl.micro_steps = micro_steps;
   impl.pipeline->restore_scaler(scale, clean_steps, skipped);
+  // The optimizer's hyper-parameters and the schedule, as torch's load_state_dict restores them.
+  for (const GroupSettings& saved_group : saved_groups) {
+    for (GroupSettings& g : s.groups) {
+      if (g.name == saved_group.name) g = saved_group;
+    }
+  }
+  if (saved_schedule) s.optimizer.schedule = *saved_schedule;
+  s.optimizer.dampening = dampening;
+  s.optimizer.nesterov = nesterov;
+  impl.pipeline->set_optimizer_steps(optimizer_steps);
   impl.poisoned.clear();
 }
 

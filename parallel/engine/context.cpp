@@ -31,7 +31,7 @@ ChunkId EngineContext::step_grad(memory::FamilyId f) const {
 
 std::vector<ChunkId> EngineContext::optim_members(memory::FamilyId f) const {
   const memory::ChunkFamily& fam = mgr->family(f);
-  std::vector<ChunkId> m = {fam.optim_states[0], fam.optim_states[1]};
+  std::vector<ChunkId> m = fam.optim_states;
   if (fam.master) m.push_back(*fam.master);
   return m;
 }
@@ -128,13 +128,33 @@ void make_chunk_manager(EngineContext& ctx, std::unique_ptr<memory::EvictionPoli
                    : torch::Device(torch::kCPU);
 }
 
+void assign_groups(EngineContext& ctx) {
+  const OptimizerConfig& o = ctx.optimizer;
+  ctx.groups.clear();
+  for (const ParamGroup& g : o.groups) {
+    ctx.groups.push_back({g.name, g.lr.value_or(o.lr), g.weight_decay.value_or(o.weight_decay), g.beta1.value_or(o.beta1),
+                          g.beta2.value_or(o.beta2), g.eps.value_or(o.eps), g.momentum.value_or(o.momentum)});
+  }
+  ctx.groups.push_back({"default", o.lr, o.weight_decay, o.beta1, o.beta2, o.eps, o.momentum});
+  for (ManagedParam& p : ctx.params) {
+    const std::vector<int64_t> shape(p.tensor.sizes().begin(), p.tensor.sizes().end());
+    p.group = o.groups.size();
+    for (size_t g = 0; g < o.groups.size(); ++g) {
+      if (o.groups[g].select(p.name, shape)) {
+        p.group = g;
+        break;
+      }
+    }
+  }
+}
+
 void register_parameters(EngineContext& ctx) {
   const EngineOptions& options = ctx.options;
   std::vector<memory::TensorSpec> specs;
   for (const ManagedParam& p : ctx.params) specs.push_back({p.name, p.numel});
   memory::FamilySpec spec;
   spec.param_dtype = options.precision;
-  spec.optim_states = 2;
+  spec.optim_states = ctx.optimizer.state_count();
   spec.shard = memory::ShardSpec{ctx.rank, ctx.stage >= 1, ctx.stage >= 2, ctx.stage >= 3};
   memory::Registration reg;
   if (options.chunk_elems > 0) {

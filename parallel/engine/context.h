@@ -28,6 +28,7 @@
 #include "strata/parallel/communicator.h"
 #include "strata/parallel/engine.h"
 #include "strata/parallel/engine_options.h"
+#include "strata/parallel/optimizer.h"
 
 namespace strata::parallel {
 
@@ -55,11 +56,20 @@ struct ManagedParam {
   int64_t offset = 0;  // in the family layout, in elements
   int64_t numel = 0;
   int64_t steps = 0;      // optimizer updates applied
+  size_t group = 0;       // index into EngineContext::groups
   bool has_grad = false;  // a gradient arrived since the last step
 };
 
+/// A parameter group's hyper-parameters in effect (OptimizerConfig's, with
+/// the group's own where it sets them); `lr` is the base the schedule scales.
+struct GroupSettings {
+  std::string name;
+  double lr = 0, weight_decay = 0, beta1 = 0, beta2 = 0, eps = 0, momentum = 0;
+};
+
 struct EngineContext {
-  AdamWConfig opt;
+  OptimizerConfig optimizer;
+  std::vector<GroupSettings> groups;  // "default" last
   EngineOptions options;
   torch::ScalarType compute = torch::kFloat32;
   torch::Device device{torch::kCPU};  // where operators run: the device tier's
@@ -130,6 +140,11 @@ struct EngineContext {
 /// A chunk manager for `options` (budgets, the NVMe store, `policy` for the
 /// device tier, null: LRU) over `world` ranks; sets ctx.mgr and ctx.device.
 void make_chunk_manager(EngineContext& ctx, std::unique_ptr<memory::EvictionPolicy> policy);
+
+/// Assigns every parameter of ctx.params (names and tensors set) to the
+/// first of ctx.optimizer.groups that selects it, or to "default", and fills
+/// ctx.groups with each group's settings.
+void assign_groups(EngineContext& ctx);
 
 /// Registers ctx.params (name, tensor and numel set; fp32, contiguous) with
 /// the chunk manager as chunk families (ZeRO-sharded from stage 1): sets

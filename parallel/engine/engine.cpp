@@ -6,6 +6,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <cmath>
 
 #include "engine_impl.h"
 
@@ -88,11 +89,15 @@ torch::Tensor Engine::Impl::run(const std::function<torch::Tensor()>& fn) {
 // --- the public surface ------------------------------------------------------
 
 Engine::Engine(torch::nn::Module& module, AdamWConfig optimizer, EngineOptions options)
-    : Engine(module, optimizer, std::move(options), nullptr) {}
+    : Engine(module, OptimizerConfig::from(optimizer), std::move(options), nullptr) {}
 
 Engine::Engine(torch::nn::Module& module, AdamWConfig optimizer, EngineOptions options,
                std::shared_ptr<Communicator> comm)
-    : impl_(std::make_unique<Impl>(module, optimizer, std::move(options), std::move(comm))) {}
+    : Engine(module, OptimizerConfig::from(optimizer), std::move(options), std::move(comm)) {}
+
+Engine::Engine(torch::nn::Module& module, OptimizerConfig optimizer, EngineOptions options,
+               std::shared_ptr<Communicator> comm)
+    : impl_(std::make_unique<Impl>(module, std::move(optimizer), std::move(options), std::move(comm))) {}
 
 Engine::~Engine() = default;
 
@@ -120,6 +125,61 @@ uint64_t Engine::lowest_device_budget() const {
   const uint64_t floor = impl_->residency.capacity_floor();
   return floor == UINT64_MAX ? impl_->ctx.options.budgets.device : floor;
 }
+// --- optimizer, groups and schedule ------------------------------------------
+
+namespace {
+size_t group_index(const EngineContext& ctx, const std::string& group) {
+  for (size_t g = 0; g < ctx.groups.size(); ++g) {
+    if (ctx.groups[g].name == group) return g;
+  }
+  std::string names;
+  for (const GroupSettings& g : ctx.groups) names += (names.empty() ? "" : ", ") + g.name;
+  STRATA_FAIL("no parameter group named \"", group, "\"; the groups are ", names);
+}
+}  // namespace
+
+OptimizerKind Engine::optimizer() const { return impl_->ctx.optimizer.kind; }
+
+std::vector<std::string> Engine::param_groups() const {
+  std::vector<std::string> names;
+  for (const GroupSettings& g : impl_->ctx.groups) names.push_back(g.name);
+  return names;
+}
+
+std::vector<std::string> Engine::group_parameters(const std::string& group) const {
+  const size_t g = group_index(impl_->ctx, group);
+  std::vector<std::string> names;
+  for (const ManagedParam& p : impl_->ctx.params) {
+    if (p.group == g) names.push_back(p.name);
+  }
+  return names;
+}
+
+void Engine::set_lr(double lr) {
+  STRATA_CHECK(std::isfinite(lr) && lr >= 0, "set_lr: lr must be a finite number >= 0, got ", lr);
+  for (GroupSettings& g : impl_->ctx.groups) g.lr = lr;
+}
+
+void Engine::set_lr(const std::string& group, double lr) {
+  STRATA_CHECK(std::isfinite(lr) && lr >= 0, "set_lr: lr must be a finite number >= 0, got ", lr);
+  impl_->ctx.groups[group_index(impl_->ctx, group)].lr = lr;
+}
+
+double Engine::lr(const std::string& group) const {
+  return impl_->pipeline->current_lr(group_index(impl_->ctx, group));
+}
+
+double Engine::base_lr(const std::string& group) const { return impl_->ctx.groups[group_index(impl_->ctx, group)].lr; }
+
+void Engine::set_schedule(const LrSchedule& schedule) {
+  schedule.validate();
+  impl_->ctx.optimizer.schedule = schedule;
+}
+
+const LrSchedule& Engine::schedule() const { return impl_->ctx.optimizer.schedule; }
+
+int64_t Engine::optimizer_steps() const { return impl_->pipeline->optimizer_steps(); }
+
 memory::ChunkManager& Engine::chunks() { return *impl_->ctx.mgr; }
 memory::TierStats Engine::tier_stats(memory::Tier tier) const { return impl_->ctx.mgr->tier_stats(tier); }
 memory::MoveStats Engine::move_stats() const { return impl_->ctx.mgr->move_stats(); }
@@ -136,7 +196,13 @@ int64_t Engine::managed_parameters() const {
 }
 
 int64_t Engine::model_state_bytes() const {
-  return managed_parameters() * model_state_bytes_per_param(impl_->ctx.options.precision);
+  return managed_parameters() *
+         model_state_bytes_per_param(impl_->ctx.options.precision, impl_->ctx.optimizer.state_count());
+}
+
+std::unique_ptr<Engine> attach(torch::nn::Module& module, OptimizerConfig optimizer, EngineOptions options,
+                               std::shared_ptr<Communicator> comm) {
+  return std::make_unique<Engine>(module, std::move(optimizer), std::move(options), std::move(comm));
 }
 
 std::unique_ptr<Engine> attach(torch::nn::Module& module, AdamWConfig optimizer, EngineOptions options) {

@@ -41,7 +41,7 @@ struct Engine::Impl final : OpObserver {
 
   /// attach: packs the module's trainable parameters into chunk families and
   /// installs the hooks (attach.cpp).
-  Impl(torch::nn::Module& module, const AdamWConfig& optimizer, EngineOptions options,
+  Impl(torch::nn::Module& module, OptimizerConfig optimizer, EngineOptions options,
        std::shared_ptr<Communicator> comm);
   /// Gives the parameters owned fp32 memory again (attach.cpp).
   ~Impl() override;

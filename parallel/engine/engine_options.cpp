@@ -100,10 +100,10 @@ void EngineOptions::validate() const {
                "loss scaling needs 0 < backoff < 1, growth_factor > 1 and growth_interval >= 1");
 }
 
-int64_t model_state_bytes_per_param(DType precision) {
+int64_t model_state_bytes_per_param(DType precision, int optimizer_states) {
   const int64_t compute = static_cast<int64_t>(dtype_size(precision));
   const int64_t master = precision == DType::kFloat32 ? 0 : 4;
-  return 2 * compute + master + 8;
+  return 2 * compute + master + 4 * optimizer_states;
 }
 
 }  // namespace strata::parallel

@@ -90,46 +90,92 @@ kernels::GradStats StepPipeline::grad_stats() {
   return total;
 }
 
+double StepPipeline::current_lr(size_t group) const {
+  return ctx_.groups[group].lr * ctx_.optimizer.schedule.factor(optimizer_steps_);
+}
+
 // Pins family `index` on host, calls `pinned_hook` (the read-ahead of the
 // next family, which must not evict this one), then updates it.
 void StepPipeline::update_family(size_t index, float grad_scale, const std::function<void()>& pinned_hook) {
   const memory::FamilyId f = ctx_.families[index];
   const memory::ChunkFamily& fam = ctx_.mgr->family(f);
-  const AdamWConfig& opt = ctx_.opt;
   const auto waited_from = Clock::now();
   ctx_.with_on_host(ctx_.step_members(f), [&] {
     ctx_.wait.optimizer += seconds_since(waited_from);  // the pins above waited for the chunks
     pinned_hook();
     const ChunkId pc = ctx_.step_param(f), gc = ctx_.step_grad(f);
     const ChunkId mc = fam.master ? *fam.master : pc;  // fp32 values: the master, or the fp32 parameters
-    kernels::AdamParams ap;
-    ap.lr = opt.lr;
-    ap.beta1 = opt.beta1;
-    ap.beta2 = opt.beta2;
-    ap.eps = opt.eps;
-    ap.weight_decay = opt.weight_decay;
-    ap.grad_scale = grad_scale;
-    ap.grads_known_finite = true;  // grad_stats() checked every chunk
     for (size_t i : ctx_.params_of_chunk[fam.param]) {
       ManagedParam& p = ctx_.params[i];
       if (!p.has_grad) continue;  // unused this step: no update, as torch.optim
-      ap.step = ++p.steps;
       const auto [begin, end] = ctx_.owned(p);  // Note [ZeRO over chunks]: this rank's part
-      if (begin >= end) continue;
       kernels::OptimSpans s;
       s.n = end - begin;
-      s.master = reinterpret_cast<float*>(ctx_.at(mc, begin));
-      s.grad = ctx_.at(gc, begin);
-      s.grad_dtype = ctx_.options.precision;
-      s.state0 = reinterpret_cast<float*>(ctx_.at(fam.optim_states[0], begin));
-      s.state1 = reinterpret_cast<float*>(ctx_.at(fam.optim_states[1], begin));
-      if (fam.master) {
-        s.param_copy = ctx_.at(pc, begin);
-        s.param_dtype = ctx_.options.precision;
+      if (begin < end) {
+        s.master = reinterpret_cast<float*>(ctx_.at(mc, begin));
+        s.grad = ctx_.at(gc, begin);
+        s.grad_dtype = ctx_.options.precision;
+        if (fam.optim_states.size() > 0) s.state0 = reinterpret_cast<float*>(ctx_.at(fam.optim_states[0], begin));
+        if (fam.optim_states.size() > 1) s.state1 = reinterpret_cast<float*>(ctx_.at(fam.optim_states[1], begin));
+        if (fam.master) {
+          s.param_copy = ctx_.at(pc, begin);
+          s.param_dtype = ctx_.options.precision;
+        }
       }
-      kernels::adam_step(ap, s);
+      update_param(p, s, grad_scale);  // counts the step even when this rank owns none of it
     }
   });
+}
+
+void StepPipeline::update_param(ManagedParam& p, const kernels::OptimSpans& s, float grad_scale) {
+  const OptimizerConfig& o = ctx_.optimizer;
+  const GroupSettings& g = ctx_.groups[p.group];
+  const float lr = static_cast<float>(current_lr(p.group));
+  p.steps += 1;
+  if (s.n == 0) return;
+  switch (o.kind) {
+    case OptimizerKind::kAdamW:
+    case OptimizerKind::kAdam: {
+      kernels::AdamParams ap;
+      ap.lr = lr;
+      ap.beta1 = static_cast<float>(g.beta1);
+      ap.beta2 = static_cast<float>(g.beta2);
+      ap.eps = static_cast<float>(g.eps);
+      ap.weight_decay = static_cast<float>(g.weight_decay);
+      ap.decoupled_weight_decay = o.kind == OptimizerKind::kAdamW;
+      ap.step = p.steps;
+      ap.grad_scale = grad_scale;
+      ap.grads_known_finite = true;  // grad_stats() checked every chunk
+      kernels::adam_step(ap, s);
+      return;
+    }
+    case OptimizerKind::kLion: {
+      kernels::LionParams lp;
+      lp.lr = lr;
+      lp.beta1 = static_cast<float>(g.beta1);
+      lp.beta2 = static_cast<float>(g.beta2);
+      lp.weight_decay = static_cast<float>(g.weight_decay);
+      lp.grad_scale = grad_scale;
+      lp.grads_known_finite = true;
+      kernels::lion_step(lp, s);
+      return;
+    }
+    case OptimizerKind::kSgd: {
+      kernels::SgdParams sp;
+      sp.lr = lr;
+      sp.momentum = static_cast<float>(g.momentum);
+      sp.dampening = static_cast<float>(o.dampening);
+      sp.weight_decay = static_cast<float>(g.weight_decay);
+      sp.nesterov = o.nesterov;
+      sp.step = p.steps;
+      sp.grad_scale = grad_scale;
+      sp.grads_known_finite = true;
+      kernels::OptimSpans spans = s;
+      if (sp.momentum == 0.0f) spans.state0 = nullptr;  // a group without momentum keeps no buffer
+      kernels::sgd_step(sp, spans);
+      return;
+    }
+  }
 }
 
 bool StepPipeline::step(double& grad_norm) {
@@ -186,6 +232,7 @@ bool StepPipeline::step(double& grad_norm) {
   EngineContext::settle(early_);  // started before backward; the accesses above waited for them (counted) or retried them
   for (auto& t : behind) offload::CopyEngine::wait(t);  // a failed write-back is the step's error
   sink_.zero();
+  optimizer_steps_ += 1;
   if (options.precision == DType::kFloat16 && ++clean_steps_ >= options.loss_scale.growth_interval) {
     scale_ *= options.loss_scale.growth_factor;
     clean_steps_ = 0;

@@ -1,8 +1,10 @@
 #pragma once
 // StepPipeline: the optimizer step over chunk families, and the state it
 // keeps between steps: where each family's optimizer state lives (host or
-// NVMe, memory::nvme_optim_families), the loss scaler, and the reads of
-// NVMe-resident state started before backward (Note [The step pipeline]).
+// NVMe, memory::nvme_optim_families), the loss scaler, the learning-rate
+// schedule's position, and the reads of NVMe-resident state started before
+// backward (Note [The step pipeline]). Each parameter is updated by the fused
+// kernel of the configured optimizer with its group's hyper-parameters.
 
 #include <vector>
 
@@ -44,6 +46,12 @@ class StepPipeline {
   /// overflow (fp16: the loss scale backs off). `grad_norm`: unscaled, before clipping.
   bool step(double& grad_norm);
 
+  /// Applied optimizer steps: the schedule's position.
+  int64_t optimizer_steps() const { return optimizer_steps_; }
+  void set_optimizer_steps(int64_t steps) { optimizer_steps_ = steps; }
+  /// The lr group `group` uses in the next step: its base lr times the schedule's factor.
+  double current_lr(size_t group) const;
+
   double loss_scale() const { return scale_; }
   int64_t skipped() const { return skipped_; }
   /// The scaler's state, for checkpoints.
@@ -53,6 +61,7 @@ class StepPipeline {
  private:
   kernels::GradStats grad_stats();
   void update_family(size_t index, float grad_scale, const std::function<void()>& pinned_hook);
+  void update_param(ManagedParam& p, const kernels::OptimSpans& spans, float grad_scale);
 
   EngineContext& ctx_;
   GradSink& sink_;
@@ -62,6 +71,7 @@ class StepPipeline {
   double scale_ = 1.0;  // the loss scale
   int clean_steps_ = 0;
   int64_t skipped_ = 0;
+  int64_t optimizer_steps_ = 0;
 };
 
 }  // namespace strata::parallel

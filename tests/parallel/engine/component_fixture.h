@@ -43,6 +43,7 @@ class ComponentContext {
       initial.push_back(p.tensor.detach().clone());
       ctx.params.push_back(p);
     }
+    assign_groups(ctx);
     register_parameters(ctx);
     residency.hold_static_chunks();
     ctx.mgr->set_placement_listener(

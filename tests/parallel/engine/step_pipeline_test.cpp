@@ -11,7 +11,7 @@ namespace {
 
 // The same parameters as `t`'s initial values, trained by torch::optim::AdamW.
 struct Reference {
-  explicit Reference(const ComponentContext& t, const AdamWConfig& cfg) {
+  explicit Reference(const ComponentContext& t, const OptimizerConfig& cfg) {
     for (const torch::Tensor& v : t.initial) params.push_back(v.clone().requires_grad_());
     opt = std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(cfg.lr)
                                                             .betas({cfg.beta1, cfg.beta2})
@@ -31,11 +31,12 @@ TEST(StepPipeline, MatchesTorchAdamWWithAccumulationAndClipping) {
   o.grad_accumulation = 2;
   o.clip_norm = 0.05;
   ComponentContext t(o, {kChunkElems, 700, 300, 24});
-  t.ctx.opt = AdamWConfig{1e-2f, 0.9f, 0.99f, 1e-8f, 0.1f};
+  t.ctx.optimizer = OptimizerConfig::adamw(1e-2, 0.1, 0.9, 0.99, 1e-8);
+  assign_groups(t.ctx);
   GradSink sink(t.ctx, nullptr);
   StepPipeline pipeline(t.ctx, sink, nullptr);
   pipeline.place_optimizer_state();
-  Reference ref(t, t.ctx.opt);
+  Reference ref(t, t.ctx.optimizer);
   for (int step = 0; step < 4; ++step) {
     std::vector<torch::Tensor> sum(t.initial.size());
     for (int micro = 0; micro < 2; ++micro) {
@@ -80,7 +81,7 @@ TEST(StepPipeline, StreamsOptimizerStateThroughNvmeAndBack) {
     StepPipeline pipeline(t.ctx, sink, nullptr);
     pipeline.place_optimizer_state();
     EXPECT_EQ(pipeline.optim_on_nvme(), std::vector<bool>(3, true));
-    Reference ref(t, t.ctx.opt);
+    Reference ref(t, t.ctx.optimizer);
     for (int step = 0; step < 3; ++step) {
       pipeline.read_state_early();
       ref.opt->zero_grad();

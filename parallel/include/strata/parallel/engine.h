@@ -32,6 +32,7 @@
 
 #include "strata/memory/chunk_manager.h"
 #include "strata/parallel/engine_options.h"
+#include "strata/parallel/optimizer.h"
 
 namespace strata::parallel {
 
@@ -52,6 +53,10 @@ class Engine {
   /// parallel gradients]): rank 0's parameters are broadcast at attach, and
   /// gradients are averaged over ranks before every step.
   Engine(torch::nn::Module& module, AdamWConfig optimizer, EngineOptions options, std::shared_ptr<Communicator> comm);
+  /// Any optimizer, with parameter groups and a learning-rate schedule
+  /// (optimizer.h); `comm` may be null (one process).
+  Engine(torch::nn::Module& module, OptimizerConfig optimizer, EngineOptions options,
+         std::shared_ptr<Communicator> comm = nullptr);
   /// Gives the parameters owned fp32 memory again (the master values). At
   /// ZeRO stage 1-3 this gathers shards: every rank destroys its engine.
   ~Engine();
@@ -93,6 +98,24 @@ class Engine {
   /// Times the operator sequence diverged from the "auto" policy's plan and was planned again.
   int64_t replans() const;
 
+  OptimizerKind optimizer() const;
+  /// The parameter groups, in the order parameters were matched, "default" last.
+  std::vector<std::string> param_groups() const;
+  /// The names of the parameters in group `group`.
+  std::vector<std::string> group_parameters(const std::string& group) const;
+  /// Sets the base learning rate of every group, or of one; the schedule
+  /// scales it from the next step on. Any time between steps.
+  void set_lr(double lr);
+  void set_lr(const std::string& group, double lr);
+  /// The learning rate group `group` uses in the next optimizer step (base x schedule).
+  double lr(const std::string& group = "default") const;
+  double base_lr(const std::string& group = "default") const;
+  /// Replaces the schedule; its position (optimizer_steps()) stays.
+  void set_schedule(const LrSchedule& schedule);
+  const LrSchedule& schedule() const;
+  /// Optimizer steps applied (not counting steps skipped for overflow): the schedule's position.
+  int64_t optimizer_steps() const;
+
   /// Saves the full training state to directory `dir`, atomically: master
   /// weights, optimizer state (wherever it lives, NVMe included), gradients
   /// mid-accumulation, step counts, the loss scaler and the RNG state,
@@ -132,5 +155,21 @@ std::unique_ptr<Engine> attach(torch::nn::Module& module, AdamWConfig optimizer,
 /// The same, data parallel over `comm` (communicator.h).
 std::unique_ptr<Engine> attach(torch::nn::Module& module, AdamWConfig optimizer, EngineOptions options,
                                std::shared_ptr<Communicator> comm);
+/// Any optimizer, groups and schedule (optimizer.h); `comm` may be null.
+std::unique_ptr<Engine> attach(torch::nn::Module& module, OptimizerConfig optimizer, EngineOptions options,
+                               std::shared_ptr<Communicator> comm = nullptr);
+
+/// Which parameters the standard "no weight decay" split takes (no_decay_group).
+struct NoDecayOptions {
+  bool biases = true;      // parameters named *bias
+  bool norms = true;       // weights of LayerNorm, GroupNorm, BatchNorm*, InstanceNorm*, LocalResponseNorm
+  bool embeddings = true;  // weights of Embedding and EmbeddingBag
+  bool one_dimensional = true;  // any other 1-D parameter (scales and gains of custom norms)
+  std::vector<std::string> extra_patterns;  // more names (glob_match)
+};
+/// The group "no_decay" with weight_decay 0 for the parameters of `module`
+/// that `which` names, found by module type and name; put it first in
+/// OptimizerConfig::groups, and every other parameter decays in "default".
+ParamGroup no_decay_group(torch::nn::Module& module, const NoDecayOptions& which = {});
 
 }  // namespace strata::parallel

@@ -96,6 +96,9 @@ struct EngineOptions {
 
 /// Model state bytes per parameter for a precision: parameter and gradient in
 /// that precision, fp32 master (unless fp32), AdamW exp_avg and exp_avg_sq.
-int64_t model_state_bytes_per_param(DType precision);
+/// Bytes of model state per parameter: the parameter and its gradient in
+/// `precision`, the fp32 master in mixed precision, and `optimizer_states`
+/// fp32 state arrays (2 for Adam and AdamW, OptimizerConfig::state_count()).
+int64_t model_state_bytes_per_param(DType precision, int optimizer_states = 2);
 
 }  // namespace strata::parallel
