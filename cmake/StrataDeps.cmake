@@ -5,27 +5,7 @@
 
 include(CheckLanguage)
 
-# strata_find_c_library(<name> <header> <library> [<more libraries>...])
-# Defines the imported target strata::<name> or fails with the Debian package to install.
-function(strata_find_c_library name header package)
-  set(libs ${ARGN})
-  find_path(STRATA_${name}_INCLUDE_DIR ${header})
-  set(found_libs)
-  foreach(lib IN LISTS libs)
-    find_library(STRATA_${name}_${lib}_LIBRARY ${lib})
-    if(NOT STRATA_${name}_${lib}_LIBRARY)
-      message(FATAL_ERROR "strata: library ${lib} not found; install the Debian package ${package} "
-                          "(scripts/setup.sh does) or add its prefix to CMAKE_PREFIX_PATH")
-    endif()
-    list(APPEND found_libs ${STRATA_${name}_${lib}_LIBRARY})
-  endforeach()
-  if(NOT STRATA_${name}_INCLUDE_DIR)
-    message(FATAL_ERROR "strata: header ${header} not found; install the Debian package ${package}")
-  endif()
-  add_library(strata::${name} INTERFACE IMPORTED GLOBAL)
-  target_include_directories(strata::${name} SYSTEM INTERFACE ${STRATA_${name}_INCLUDE_DIR})
-  target_link_libraries(strata::${name} INTERFACE ${found_libs})
-endfunction()
+include(StrataFindLibrary)
 
 strata_find_c_library(hwloc hwloc.h libhwloc-dev hwloc)
 strata_find_c_library(uring liburing.h liburing-dev uring)
@@ -37,16 +17,8 @@ find_package(fmt REQUIRED)
 find_package(nlohmann_json 3.10 REQUIRED)
 find_package(CLI11 REQUIRED)
 
-# Gloo: the CPU collectives of the communicator (parallel/gloo_communicator.cpp).
-find_path(STRATA_GLOO_INCLUDE_DIR gloo/config.h)
-find_library(STRATA_GLOO_LIBRARY gloo)
-set(STRATA_HAVE_GLOO OFF)
-if(STRATA_GLOO_INCLUDE_DIR AND STRATA_GLOO_LIBRARY)
-  set(STRATA_HAVE_GLOO ON)
-  add_library(strata::gloo INTERFACE IMPORTED GLOBAL)
-  target_include_directories(strata::gloo SYSTEM INTERFACE ${STRATA_GLOO_INCLUDE_DIR})
-  target_link_libraries(strata::gloo INTERFACE ${STRATA_GLOO_LIBRARY})
-endif()
+# Gloo: the CPU collectives of the communicator (parallel/comm/gloo_communicator.cpp).
+strata_find_gloo()
 
 # CUDA and NCCL: used when found. A CUDA build adds code; it never changes the CPU path.
 set(STRATA_HAVE_CUDA OFF)
@@ -64,14 +36,7 @@ if(STRATA_WITH_CUDA)
     enable_language(CUDA)
     find_package(CUDAToolkit REQUIRED)
     set(STRATA_HAVE_CUDA ON)
-    find_path(STRATA_NCCL_INCLUDE_DIR nccl.h HINTS ${CUDAToolkit_INCLUDE_DIRS})
-    find_library(STRATA_NCCL_LIBRARY nccl HINTS ${CUDAToolkit_LIBRARY_DIR})
-    if(STRATA_NCCL_INCLUDE_DIR AND STRATA_NCCL_LIBRARY)
-      set(STRATA_HAVE_NCCL ON)
-      add_library(strata::nccl INTERFACE IMPORTED GLOBAL)
-      target_include_directories(strata::nccl SYSTEM INTERFACE ${STRATA_NCCL_INCLUDE_DIR})
-      target_link_libraries(strata::nccl INTERFACE ${STRATA_NCCL_LIBRARY})
-    endif()
+    strata_find_nccl("${CUDAToolkit_INCLUDE_DIRS}" "${CUDAToolkit_LIBRARY_DIR}")
   endif()
 endif()
 

@@ -1,0 +1,58 @@
+# Imported targets for the C libraries strata links, shared by the build
+# (StrataDeps.cmake) and the installed package (strataConfig.cmake), so that a
+# project using find_package(strata) finds them the same way.
+
+# strata_find_c_library(<name> <header> <library> [<more libraries>...])
+# Defines the imported target strata::<name> or fails with the Debian package to install.
+function(strata_find_c_library name header package)
+  set(libs ${ARGN})
+  find_path(STRATA_${name}_INCLUDE_DIR ${header})
+  set(found_libs)
+  foreach(lib IN LISTS libs)
+    find_library(STRATA_${name}_${lib}_LIBRARY ${lib})
+    if(NOT STRATA_${name}_${lib}_LIBRARY)
+      message(FATAL_ERROR "strata: library ${lib} not found; install the Debian package ${package} "
+                          "(scripts/setup.sh does) or add its prefix to CMAKE_PREFIX_PATH")
+    endif()
+    list(APPEND found_libs ${STRATA_${name}_${lib}_LIBRARY})
+  endforeach()
+  if(NOT STRATA_${name}_INCLUDE_DIR)
+    message(FATAL_ERROR "strata: header ${header} not found; install the Debian package ${package}")
+  endif()
+  if(TARGET strata::${name})
+    return()
+  endif()
+  add_library(strata::${name} INTERFACE IMPORTED GLOBAL)
+  target_include_directories(strata::${name} SYSTEM INTERFACE ${STRATA_${name}_INCLUDE_DIR})
+  target_link_libraries(strata::${name} INTERFACE ${found_libs})
+endfunction()
+
+# strata_find_gloo(): strata::gloo and STRATA_HAVE_GLOO (ON when libgloo-dev is there).
+macro(strata_find_gloo)
+  find_path(STRATA_GLOO_INCLUDE_DIR gloo/config.h)
+  find_library(STRATA_GLOO_LIBRARY gloo)
+  set(STRATA_HAVE_GLOO OFF)
+  if(STRATA_GLOO_INCLUDE_DIR AND STRATA_GLOO_LIBRARY)
+    set(STRATA_HAVE_GLOO ON)
+    if(NOT TARGET strata::gloo)
+      add_library(strata::gloo INTERFACE IMPORTED GLOBAL)
+      target_include_directories(strata::gloo SYSTEM INTERFACE ${STRATA_GLOO_INCLUDE_DIR})
+      target_link_libraries(strata::gloo INTERFACE ${STRATA_GLOO_LIBRARY})
+    endif()
+  endif()
+endmacro()
+
+# strata_find_nccl(<include hints> <library hints>): strata::nccl and STRATA_HAVE_NCCL.
+macro(strata_find_nccl include_hints library_hints)
+  find_path(STRATA_NCCL_INCLUDE_DIR nccl.h HINTS ${include_hints})
+  find_library(STRATA_NCCL_LIBRARY nccl HINTS ${library_hints})
+  set(STRATA_HAVE_NCCL OFF)
+  if(STRATA_NCCL_INCLUDE_DIR AND STRATA_NCCL_LIBRARY)
+    set(STRATA_HAVE_NCCL ON)
+    if(NOT TARGET strata::nccl)
+      add_library(strata::nccl INTERFACE IMPORTED GLOBAL)
+      target_include_directories(strata::nccl SYSTEM INTERFACE ${STRATA_NCCL_INCLUDE_DIR})
+      target_link_libraries(strata::nccl INTERFACE ${STRATA_NCCL_LIBRARY})
+    endif()
+  endif()
+endmacro()
