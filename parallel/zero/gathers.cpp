@@ -1,6 +1,7 @@
 #include "gathers.h"
 
 #include <algorithm>
+#include <string>
 
 namespace strata::parallel {
 
@@ -97,8 +98,18 @@ void OperatorGathers::start(ChunkId c) {
   }
   Gather g;
   g.shard = shard;
-  g.work = comm_->all_gather(mgr.data(shard), mgr.data(c), static_cast<size_t>(mgr.chunk(shard).capacity_elems()),
-                             ctx_.options.precision);
+  try {
+    g.ids = std::make_shared<std::vector<float>>(static_cast<size_t>(ctx_.world()) + 1);
+    (*g.ids)[0] = static_cast<float>(c);
+    g.ids_work = comm_->all_gather(g.ids->data(), g.ids->data() + 1, 1, DType::kFloat32);
+    g.work = comm_->all_gather(mgr.data(shard), mgr.data(c), static_cast<size_t>(mgr.chunk(shard).capacity_elems()),
+                               ctx_.options.precision);
+  } catch (...) {
+    if (g.ids_work) g.ids_work->wait();
+    ctx_.unpin(c, ctx_.all_slots(c));
+    ctx_.unpin(shard, {0});
+    throw;
+  }
   gathered_.emplace_back(c, std::move(g));
   gathers_ += 1;
 }
@@ -109,13 +120,42 @@ void OperatorGathers::finish(Gather& g, ChunkId c) {
   g.work = nullptr;
   std::exception_ptr failure;
   try {
+    g.ids_work->wait();
     work->wait();
+    check_paired(g);
   } catch (...) {
     failure = std::current_exception();
   }
   ctx_.unpin(c, ctx_.all_slots(c));
   ctx_.unpin(g.shard, {0});
   if (failure) std::rethrow_exception(failure);
+}
+
+// See Note [Gathers checked by chunk].
+void OperatorGathers::check_paired(const Gather& g) const {
+  const std::vector<float>& ids = *g.ids;
+  int other = -1;  // the first rank that gathered another chunk than rank 0: the same on every rank
+  for (int r = 1; r < ctx_.world() && other < 0; ++r) {
+    if (ids[static_cast<size_t>(r) + 1] != ids[1]) other = r;
+  }
+  if (other < 0) return;
+  const auto describe = [&](int r) {
+    const auto chunk = static_cast<ChunkId>(ids[static_cast<size_t>(r) + 1]);
+    std::string names;
+    const auto it = ctx_.params_of_chunk.find(chunk);
+    if (it != ctx_.params_of_chunk.end()) {
+      for (size_t i = 0; i < it->second.size() && i < 4; ++i) {
+        names += (i ? ", " : "") + ctx_.params[it->second[i]].name;
+      }
+      if (it->second.size() > 4) names += ", ...";
+    }
+    return "rank " + std::to_string(r) + " gathered parameter chunk " + std::to_string(chunk) + " (" + names + ")";
+  };
+  STRATA_FAIL("ZeRO stage 3: the ranks' parameter gathers no longer pair: ", describe(0), " while ", describe(other),
+              ". The ranks ran different operators on parameters (a data-dependent branch such as MoE routing, or "
+              "a layer some ranks skip); stage 3 needs every rank to run the same operators on parameters in the "
+              "same order. Train this model at zero_stage 2 (optimizer state and gradients sharded), or run every "
+              "branch on every rank.");
 }
 
 void OperatorGathers::release_all() {

@@ -15,6 +15,19 @@
 
 namespace strata::parallel {
 
+// Note [Gathers checked by chunk]
+// Stage-3 gathers pair across ranks by order: the k-th gather of every rank
+// meets the k-th of every other. Ranks that run different operators on
+// parameters (a data-dependent branch: MoE routing, a layer skipped on some
+// batches) would pair gathers of different chunks and read one another's
+// shards as their own, corrupting parameters with no error. So every data
+// gather is preceded, on the same communicator, by an all-gather of the chunk
+// id each rank gathers; before a gathered chunk is used the ids are compared,
+// and since every rank receives the same ids, every rank finds a mismatch at
+// the same gather and fails with the same error, naming the chunks and their
+// parameters. The check costs one small collective per gather, issued
+// asynchronously with it. Making such models train at stage 3 (an agreed
+// gather schedule across ranks) is not done; stage 2 trains them.
 class OperatorGathers {
  public:
   /// Gathers run on a communicator split from ctx.comm (Note [ZeRO over chunks]).
@@ -41,7 +54,11 @@ class OperatorGathers {
   struct Gather {
     WorkHandle work;  // null once complete
     ChunkId shard = -1;
+    // Note [Gathers checked by chunk]: [this rank's chunk id, every rank's].
+    WorkHandle ids_work;
+    std::shared_ptr<std::vector<float>> ids;
   };
+  void check_paired(const Gather& g) const;
   void start(ChunkId c);
   void finish(Gather& g, ChunkId c);
 

@@ -21,6 +21,11 @@
 //   --die-at-step K rank 1 dies in the middle of step K (the launcher must
 //                   stop the others and name it)
 //   --mismatch      rank 1 has another device budget: attach refuses on every rank
+//   --branches      rank 0 routes its batch through the side branch, the others
+//                   do not (data-dependent routing, as MoE): stages 0-2 train
+//                   like one process; stage 3 must fail on every rank with a
+//                   clear error, never pair mismatched gathers (Note [Gathers
+//                   checked by chunk])
 //   --save-fails    at stage 3, rank 0 cannot write the checkpoint (nor the
 //                   weights): every rank's save() (export_weights()) fails,
 //                   and training goes on in step on every rank
@@ -65,6 +70,7 @@ struct Options {
   int64_t chunk_elems = 64 * 64 + 64;  // shards of unaligned size at 2 and 4 ranks
   int die_at_step = -1;
   bool mismatch = false;  // rank 1 has another device budget: attach must refuse on every rank
+  bool branches = false;  // rank 0 alone takes the side branch, at every stage
 };
 
 struct Outcome {
@@ -108,7 +114,7 @@ Outcome train(const std::shared_ptr<Communicator>& comm, const Options& opt) {
   }
   if (opt.mismatch && rank == 1) o.budgets.device += 4096;
   // Stage 3 gathers parameters for operators: every rank must use the same ones.
-  const auto uses_side = [&](int r) { return opt.unused && r == 0 && opt.stage < 3; };
+  const auto uses_side = [&](int r) { return r == 0 && ((opt.unused && opt.stage < 3) || opt.branches); };
   const int steps = 5, batch = 8;
   Outcome out;
   {
@@ -301,6 +307,7 @@ int main(int argc, char** argv) {
     if (a == "--memory") memory = true;
     if (a == "--fp16") fp16 = true;
     if (a == "--mismatch") opt.mismatch = true;
+    if (a == "--branches") opt.branches = true;
     if (a == "--save-fails") save_fails = true;
     if (a == "--die-at-step" && i + 1 < argc) opt.die_at_step = std::atoi(argv[++i]);
     if (a == "--accumulation" && i + 1 < argc) opt.accumulation = std::atoi(argv[++i]);
