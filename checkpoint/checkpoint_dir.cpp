@@ -97,18 +97,59 @@ Manifest manifest_from_json(const std::string& text) {
   return m;
 }
 
+void check_replaceable(const std::string& dir) {
+  std::error_code ec;
+  const fs::file_status st = fs::symlink_status(dir, ec);
+  if (ec || !fs::exists(st)) return;  // nothing there: a new checkpoint
+  STRATA_CHECK(fs::is_directory(st), dir, " exists and is not a checkpoint directory (it is ",
+               fs::is_symlink(st) ? "a symbolic link" : "a file",
+               "); a save would replace it. Choose another checkpoint path, or move it away first");
+  const fs::path manifest = fs::path(dir) / kManifest;
+  Manifest m;
+  try {
+    m = manifest_from_json(slurp(manifest.string()));
+  } catch (const std::exception& e) {
+    STRATA_FAIL(dir, " exists and is not a strata checkpoint (", fs::exists(manifest, ec) ? e.what() : "no manifest.json",
+                "); a save replaces the whole directory, so it refuses to. Choose another checkpoint path, or "
+                "move that directory away first");
+  }
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    const std::string name = e.path().filename().string();
+    STRATA_CHECK(name == kManifest || m.find(name) != nullptr, dir, " is a checkpoint but also holds ", name,
+                 ", which its manifest does not list; a save replaces the whole directory, so it refuses to. Move ",
+                 name, " out of it, or choose another checkpoint path");
+  }
+  STRATA_CHECK(!ec, "cannot list ", dir, ": ", ec.message());
+}
+
+void check_writable_file(const std::string& path) {
+  std::error_code ec;
+  STRATA_CHECK(!path.empty(), "an empty path was given for a file to write");
+  STRATA_CHECK(!fs::is_directory(path, ec), path, " is a directory; give the path of a file to write");
+  fs::path parent = fs::absolute(path).parent_path();
+  fs::create_directories(parent, ec);
+  STRATA_CHECK(!ec, "cannot create ", parent.string(), " for ", path, ": ", ec.message());
+  STRATA_CHECK(::access(parent.c_str(), W_OK) == 0, "cannot write in ", parent.string(), " (for ", path, "): ",
+               std::strerror(errno));
+}
+
 CheckpointWriter::CheckpointWriter(std::string dir, std::string kind)
     : dir_(fs::absolute(dir).lexically_normal().string()) {
   while (dir_.size() > 1 && dir_.back() == '/') dir_.pop_back();
+  check_replaceable(dir_);
   manifest_.kind = std::move(kind);
   const fs::path parent = fs::path(dir_).parent_path();
   std::error_code ec;
   fs::create_directories(parent, ec);
   STRATA_CHECK(!ec, "cannot create ", parent.string(), ": ", ec.message());
-  // Temporary directories of saves that never committed (a crash) go now.
+  // Temporary directories of saves that never committed (a crash) go now:
+  // <dir>.tmp-<pid> directories, nothing else.
   const std::string stale = fs::path(dir_).filename().string() + ".tmp-";
   for (const auto& e : fs::directory_iterator(parent)) {
-    if (e.path().filename().string().rfind(stale, 0) == 0) fs::remove_all(e.path(), ec);
+    const std::string name = e.path().filename().string();
+    if (name.rfind(stale, 0) != 0 || name.size() == stale.size() || !e.is_directory(ec)) continue;
+    if (name.find_first_not_of("0123456789", stale.size()) != std::string::npos) continue;
+    fs::remove_all(e.path(), ec);
   }
   tmp_ = dir_ + ".tmp-" + std::to_string(::getpid());
   fs::create_directory(tmp_, ec);
@@ -150,6 +191,7 @@ void CheckpointWriter::commit() {
   sync_directory(tmp_);
   kill_point("before-rename");
   const std::string parent = parent_of(dir_);
+  check_replaceable(dir_);  // again: something may have appeared there while the checkpoint was written
   std::error_code ec;
   if (!fs::exists(dir_, ec)) {
     STRATA_CHECK(::rename(tmp_.c_str(), dir_.c_str()) == 0, "cannot rename ", tmp_, " to ", dir_, ": ",

@@ -120,6 +120,9 @@ int run(int argc, char** argv) {
   app.add_flag("--baseline", baseline, "train with plain LibTorch and torch::optim::AdamW instead (for comparison)");
   CLI11_PARSE(app, argc, argv);
   opts.precision = strata::parse_dtype(precision);
+  // Paths the run will write: checked now, not after the training they would end.
+  if (save_every > 0) strata::parallel::Engine::check_save_target(checkpoint_dir);
+  if (!export_weights.empty()) strata::parallel::Engine::check_export_target(export_weights);
   mc.vocab = 256;
 
   const torch::Tensor corpus = strata::examples::load_corpus(data);
@@ -254,9 +257,19 @@ int run(int argc, char** argv) {
     idx = torch::cat({idx, torch::multinomial(torch::softmax(logits, -1), 1)}, 1);
   }
   std::string sample;
-  for (int64_t i = 0; i < idx.size(1); ++i) sample += static_cast<char>(idx[0][i].item<int64_t>());
+  for (int64_t i = 0; i < idx.size(1); ++i) {
+    // Printable ASCII as it is, newlines and tabs as spaces, any other byte as
+    // '?': never raw control bytes or invalid UTF-8 on the terminal.
+    const int64_t c = idx[0][i].item<int64_t>();
+    sample += c == '\n' || c == '\t' ? ' ' : (c >= 0x20 && c < 0x7f ? static_cast<char>(c) : '?');
+  }
   fmt::print("sample: {}\n", sample);
-  return first_step > steps || avg < first_loss ? 0 : 1;
+  if (first_step <= steps && !(avg < first_loss)) {
+    std::fprintf(stderr, "gpt: the smoothed loss did not fall (%.3f -> %.3f over %d steps); exit status 1\n", first_loss,
+                 avg, steps - first_step + 1);
+    return 1;
+  }
+  return 0;
 }
 
 }  // namespace

@@ -151,6 +151,9 @@ LrSchedule::Kind schedule_kind(const std::string& name) {
 
 }  // namespace
 
+void Engine::check_save_target(const std::string& dir) { checkpoint::check_replaceable(dir); }
+void Engine::check_export_target(const std::string& path) { checkpoint::check_writable_file(path); }
+
 // See Note [Saving a checkpoint] and Note [Checkpoints across ranks].
 void Engine::save(const std::string& dir) {
   Impl& impl = *impl_;

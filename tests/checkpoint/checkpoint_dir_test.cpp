@@ -111,3 +111,53 @@ TEST(CheckpointDir, ReaderFallsBackToPrevAfterAnInterruptedSwap) {
 
 }  // namespace
 }  // namespace strata::checkpoint
+
+namespace strata::checkpoint {
+namespace {
+
+std::string read_file(const fs::path& p) {
+  std::ifstream in(p);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+TEST(CheckpointDir, NeverReplacesWhatIsNotAPreviousCheckpoint) {
+  const std::string root = temp_dir("users-files");
+  fs::remove_all(root);
+  fs::create_directories(root + "/mine/sub");
+  std::ofstream(root + "/mine/report.txt") << "my results";
+  std::ofstream(root + "/mine/sub/data.csv") << "1,2,3";
+  std::ofstream(root + "/notes.txt") << "a file of the user's";
+
+  std::string e = error_of([&] { save(root + "/mine", "x"); });
+  EXPECT_NE(e.find("is not a strata checkpoint (no manifest.json)"), std::string::npos) << e;
+  e = error_of([&] { save(root + "/notes.txt", "x"); });
+  EXPECT_NE(e.find("exists and is not a checkpoint directory (it is a file)"), std::string::npos) << e;
+  EXPECT_EQ(read_file(root + "/mine/report.txt"), "my results");
+  EXPECT_EQ(read_file(root + "/mine/sub/data.csv"), "1,2,3");
+  EXPECT_EQ(read_file(root + "/notes.txt"), "a file of the user's");
+  EXPECT_NO_THROW(check_replaceable(root + "/absent"));
+
+  // A previous checkpoint is replaced; one the user added a file to is not.
+  save(root + "/ckpt", "first");
+  EXPECT_NO_THROW(check_replaceable(root + "/ckpt"));
+  save(root + "/ckpt", "second");
+  std::ofstream(root + "/ckpt/keep-me.txt") << "mine";
+  e = error_of([&] { save(root + "/ckpt", "third"); });
+  EXPECT_NE(e.find("also holds keep-me.txt, which its manifest does not list"), std::string::npos) << e;
+  EXPECT_EQ(read_file(root + "/ckpt/keep-me.txt"), "mine");
+  EXPECT_EQ(CheckpointReader(root + "/ckpt").read_text("a.txt"), "second");
+
+  // A sibling named like a temporary directory but not one of ours survives a save.
+  fs::create_directories(root + "/run.tmp-notes");
+  std::ofstream(root + "/run.tmp-notes/x.txt") << "x";
+  save(root + "/run", "y");
+  EXPECT_TRUE(fs::exists(root + "/run.tmp-notes/x.txt"));
+
+  e = error_of([&] { check_writable_file(root + "/mine"); });
+  EXPECT_NE(e.find("is a directory"), std::string::npos) << e;
+  EXPECT_NO_THROW(check_writable_file(root + "/new/dir/w.safetensors"));
+  fs::remove_all(root);
+}
+
+}  // namespace
+}  // namespace strata::checkpoint

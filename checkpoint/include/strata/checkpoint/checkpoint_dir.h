@@ -14,6 +14,10 @@
 // RENAME_EXCHANGE the old checkpoint is first renamed to <dir>.prev, and
 // CheckpointReader falls back to <dir>.prev when <dir> is missing, so there
 // too a reader finds one complete checkpoint. One writer per <dir> at a time.
+// Only a previous checkpoint is ever replaced: the writer refuses, before it
+// writes anything and again before the swap, a <dir> that is a file, or a
+// directory without a manifest or with files its manifest does not list
+// (check_replaceable), so a mistyped path never deletes a user's files.
 //
 // CheckpointReader reads the manifest and verify() re-reads every listed file
 // and compares size and checksum, so a truncated, corrupted or missing file
@@ -50,9 +54,21 @@ std::string manifest_to_json(const Manifest& m);
 /// file name.
 Manifest manifest_from_json(const std::string& text);
 
+/// Throws an Error saying what to change unless a save may put a checkpoint
+/// at `dir`: `dir` does not exist, or it is a checkpoint directory a previous
+/// save wrote (its manifest.json parses) holding nothing but the files its
+/// manifest lists. A user's file, or a directory with files of the user's
+/// own, is never replaced (Note [Atomic checkpoint directories]).
+void check_replaceable(const std::string& dir);
+
+/// Throws an Error saying what to change unless a single file can be written
+/// at `path` (a weight export): not a directory, and its parent directory
+/// exists or can be created and is writable.
+void check_writable_file(const std::string& path);
+
 class CheckpointWriter {
  public:
-  /// Starts a checkpoint that will replace `dir` on commit().
+  /// Starts a checkpoint that will replace `dir` on commit(); check_replaceable(dir) first.
   CheckpointWriter(std::string dir, std::string kind);
   /// Without commit(): removes the temporary directory; `dir` is untouched.
   ~CheckpointWriter();

@@ -135,6 +135,14 @@ class Engine {
   /// Collective when data parallel: every rank calls it, rank 0 writes.
   void export_weights(const std::string& path);
 
+  /// Throws a strata::Error saying what to change unless save(dir) may write
+  /// there: `dir` absent, or a checkpoint an earlier save() wrote (a user's
+  /// file or directory is never replaced). Call it before training to fail
+  /// early; save() checks again.
+  static void check_save_target(const std::string& dir);
+  /// The same for export_weights(path): a file that can be written.
+  static void check_export_target(const std::string& path);
+
   memory::ChunkManager& chunks();
   memory::TierStats tier_stats(memory::Tier tier) const;
   memory::MoveStats move_stats() const;
