@@ -9,6 +9,16 @@
 // are sent SIGTERM, then SIGKILL after --grace seconds, and strata run exits
 // with that rank's status (128 + signal), naming the rank. A single-node job
 // picks a free port unless --master-port says one.
+//
+// Note [Ranks are process groups]
+// Each rank runs in a process group of its own, and every signal the launcher
+// sends goes to the whole group: a rank started through a wrapper script, or
+// one that starts helpers, is stopped with all its processes, and a helper
+// that still holds the rank's output cannot keep the launcher waiting past
+// --grace (its pipe is closed then). SIGINT, SIGTERM and SIGHUP sent to the
+// launcher are passed on to every rank's group the same way. When starting
+// the ranks fails half way (no more file descriptors, no more processes), the
+// groups already started are killed and reaped before the error is reported.
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -19,6 +29,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <csignal>
 #include <chrono>
 #include <cstring>
 #include <fmt/format.h>
@@ -77,6 +88,63 @@ void print_lines(std::FILE* out, Rank& r, const char* data, size_t n) {
   std::fflush(out);
 }
 
+volatile std::sig_atomic_t g_launcher_signal = 0;
+void on_launcher_signal(int sig) { g_launcher_signal = sig; }
+
+// Sends `sig` to every process of rank `r`'s group (Note [Ranks are process groups]).
+void signal_group(const Rank& r, int sig) {
+  if (r.pid > 0) ::kill(-r.pid, sig);
+}
+
+// Starting failed half way: every group started so far is killed and reaped.
+void kill_started(std::vector<Rank>& ranks) {
+  for (Rank& r : ranks) {
+    if (r.pid <= 0) continue;
+    signal_group(r, SIGKILL);
+    int status = 0;
+    while (::waitpid(r.pid, &status, 0) < 0 && errno == EINTR) {
+    }
+    if (r.out >= 0) ::close(r.out);
+  }
+}
+
+pid_t start_rank(const RunOptions& o, Rank& r, int local, int world, int port) {
+  int fds[2];
+  STRATA_CHECK(::pipe2(fds, O_CLOEXEC) == 0, "cannot start rank ", r.rank, ": pipe: ", std::strerror(errno),
+               errno == EMFILE || errno == ENFILE ? " (raise ulimit -n or start fewer ranks)" : "");
+  const pid_t pid = ::fork();
+  if (pid < 0) {
+    const int err = errno;
+    ::close(fds[0]);
+    ::close(fds[1]);
+    STRATA_FAIL("cannot start rank ", r.rank, ": fork: ", std::strerror(err));
+  }
+  if (pid == 0) {
+    ::setpgid(0, 0);
+    ::signal(SIGINT, SIG_DFL);
+    ::signal(SIGTERM, SIG_DFL);
+    ::signal(SIGHUP, SIG_DFL);
+    ::dup2(fds[1], STDOUT_FILENO);
+    ::dup2(fds[1], STDERR_FILENO);
+    const std::pair<const char*, std::string> env[] = {
+        {"RANK", std::to_string(r.rank)},          {"WORLD_SIZE", std::to_string(world)},
+        {"LOCAL_RANK", std::to_string(local)},     {"LOCAL_WORLD_SIZE", std::to_string(o.nproc)},
+        {"GROUP_RANK", std::to_string(o.node_rank)}, {"ROLE_RANK", std::to_string(r.rank)},
+        {"MASTER_ADDR", o.master_addr},            {"MASTER_PORT", std::to_string(port)}};
+    for (const auto& [k, v] : env) ::setenv(k, v.c_str(), 1);
+    std::vector<char*> argv;
+    for (const std::string& a : o.command) argv.push_back(const_cast<char*>(a.c_str()));
+    argv.push_back(nullptr);
+    ::execvp(argv[0], argv.data());
+    std::fprintf(stderr, "cannot run %s: %s\n", argv[0], std::strerror(errno));
+    ::_exit(127);
+  }
+  ::setpgid(pid, pid);  // as the child does: whichever runs first, the group exists before any signal
+  ::close(fds[1]);
+  r.out = fds[0];
+  return pid;
+}
+
 int run_ranks(const RunOptions& o) {
   STRATA_CHECK(!o.command.empty(), "give the program after --, e.g. strata run -n 2 -- build/examples/gpt");
   STRATA_CHECK(o.nproc >= 1 && o.nnodes >= 1 && o.node_rank >= 0 && o.node_rank < o.nnodes,
@@ -85,31 +153,29 @@ int run_ranks(const RunOptions& o) {
   const int port = o.master_port > 0 ? o.master_port : free_port();
   const int world = o.nproc * o.nnodes;
   std::vector<Rank> ranks(o.nproc);
-  for (int i = 0; i < o.nproc; ++i) {
-    int fds[2];
-    STRATA_CHECK(::pipe2(fds, O_CLOEXEC) == 0, "pipe: ", std::strerror(errno));
-    Rank& r = ranks[i];
-    r.rank = o.node_rank * o.nproc + i;
-    r.pid = ::fork();
-    STRATA_CHECK(r.pid >= 0, "fork: ", std::strerror(errno));
-    if (r.pid == 0) {
-      ::dup2(fds[1], STDOUT_FILENO);
-      ::dup2(fds[1], STDERR_FILENO);
-      const std::pair<const char*, std::string> env[] = {
-          {"RANK", std::to_string(r.rank)},          {"WORLD_SIZE", std::to_string(world)},
-          {"LOCAL_RANK", std::to_string(i)},         {"LOCAL_WORLD_SIZE", std::to_string(o.nproc)},
-          {"GROUP_RANK", std::to_string(o.node_rank)}, {"ROLE_RANK", std::to_string(r.rank)},
-          {"MASTER_ADDR", o.master_addr},            {"MASTER_PORT", std::to_string(port)}};
-      for (const auto& [k, v] : env) ::setenv(k, v.c_str(), 1);
-      std::vector<char*> argv;
-      for (const std::string& a : o.command) argv.push_back(const_cast<char*>(a.c_str()));
-      argv.push_back(nullptr);
-      ::execvp(argv[0], argv.data());
-      std::fprintf(stderr, "cannot run %s: %s\n", argv[0], std::strerror(errno));
-      ::_exit(127);
+  g_launcher_signal = 0;
+  struct sigaction forward {};
+  forward.sa_handler = on_launcher_signal;
+  struct sigaction old_int {}, old_term {}, old_hup {};
+  ::sigaction(SIGINT, &forward, &old_int);
+  ::sigaction(SIGTERM, &forward, &old_term);
+  ::sigaction(SIGHUP, &forward, &old_hup);
+  struct Restore {  // the launcher's own handlers come back however it returns
+    struct sigaction i, t, h;
+    ~Restore() {
+      ::sigaction(SIGINT, &i, nullptr);
+      ::sigaction(SIGTERM, &t, nullptr);
+      ::sigaction(SIGHUP, &h, nullptr);
     }
-    ::close(fds[1]);
-    r.out = fds[0];
+  } restore{old_int, old_term, old_hup};
+  try {
+    for (int i = 0; i < o.nproc; ++i) {
+      ranks[i].rank = o.node_rank * o.nproc + i;
+      ranks[i].pid = start_rank(o, ranks[i], i, world, port);
+    }
+  } catch (...) {
+    kill_started(ranks);
+    throw;
   }
   fmt::print(o.out, "strata run: {} ranks ({} on this node), MASTER_ADDR={} MASTER_PORT={}\n", world, o.nproc,
              o.master_addr, port);
@@ -117,14 +183,25 @@ int run_ranks(const RunOptions& o) {
 
   int exit_code = 0;
   const Rank* failed = nullptr;
-  auto stop_others = [&] {
-    for (Rank& r : ranks) {
-      if (r.running) ::kill(r.pid, SIGTERM);
+  bool stopping = false;
+  const auto grace = std::chrono::milliseconds(static_cast<int64_t>(o.grace * 1000));
+  const auto stop_all = [&](int sig) {  // the groups that may still have processes
+    for (const Rank& r : ranks) {
+      if (r.running || r.out >= 0) signal_group(r, sig);
     }
   };
-  std::chrono::steady_clock::time_point kill_at{};
+  std::chrono::steady_clock::time_point kill_at{}, close_at{};
+  bool killed = false;
   char buf[65536];
   for (;;) {
+    if (g_launcher_signal != 0 && !stopping) {
+      const int sig = g_launcher_signal;
+      fmt::print(stderr, "strata run: received signal {} ({}); passing it to every rank\n", sig, strsignal(sig));
+      stop_all(sig);
+      stopping = true;
+      exit_code = 128 + sig;
+      kill_at = std::chrono::steady_clock::now() + grace;
+    }
     std::vector<pollfd> fds;
     for (Rank& r : ranks) {
       if (r.out >= 0) fds.push_back({r.out, POLLIN, 0});
@@ -156,16 +233,16 @@ int run_ranks(const RunOptions& o) {
       r.running = false;
       r.status = status;
       const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
-      if (!ok && failed == nullptr) {
+      if (!ok && failed == nullptr && !stopping) {
         failed = &r;
         exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
         fmt::print(stderr, "strata run: rank {} {}; stopping the other ranks\n", r.rank,
                    WIFEXITED(status) ? fmt::format("exited with status {}", WEXITSTATUS(status))
                                      : fmt::format("was killed by signal {} ({})", WTERMSIG(status),
                                                    strsignal(WTERMSIG(status))));
-        stop_others();
-        kill_at = std::chrono::steady_clock::now() +
-                  std::chrono::milliseconds(static_cast<int64_t>(o.grace * 1000));
+        stop_all(SIGTERM);
+        stopping = true;
+        kill_at = std::chrono::steady_clock::now() + grace;
       }
     }
     bool any_running = false, any_open = false;
@@ -174,9 +251,26 @@ int run_ranks(const RunOptions& o) {
       any_open = any_open || r.out >= 0;
     }
     if (!any_running && !any_open) break;
-    if (failed != nullptr && any_running && std::chrono::steady_clock::now() > kill_at) {
+    const auto now = std::chrono::steady_clock::now();
+    if (!any_running && !stopping) {
+      // Every rank exited but a helper of one still holds its output: it gets
+      // --grace to finish, then its group is stopped like a failed job's.
+      stopping = true;
+      kill_at = now + grace;
+    }
+    if (stopping && !killed && now > kill_at) {
+      stop_all(SIGKILL);
+      killed = true;
+      close_at = now + std::chrono::seconds(1);
+    }
+    if (killed && !any_running && now > close_at) {
+      // A process outside the groups (one that called setsid) still holds a
+      // pipe: stop reading it rather than wait for it.
       for (Rank& r : ranks) {
-        if (r.running) ::kill(r.pid, SIGKILL);
+        if (r.out < 0) continue;
+        if (!r.partial.empty()) print_lines(o.out, r, "\n", 1);
+        ::close(r.out);
+        r.out = -1;
       }
     }
   }
