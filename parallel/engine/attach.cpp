@@ -68,6 +68,11 @@ Engine::Impl::Impl(torch::nn::Module& module, OptimizerConfig optimizer, EngineO
   for (const auto& b : module.buffers(/*recurse=*/true)) {
     if (b.is_floating_point() && b.scalar_type() != ctx.compute) casts.push_back({b, b.scalar_type()});
   }
+  for (const auto& [name, t] : frozen) module_state.push_back({name, t, t.scalar_type()});
+  for (const auto& item : module.named_buffers(/*recurse=*/true)) {
+    if (!seen.insert(item.value().unsafeGetTensorImpl()).second) continue;  // a buffer shared by two modules
+    module_state.push_back({item.key(), item.value(), item.value().scalar_type()});
+  }
 
   assign_groups(ctx);
   register_parameters(ctx);

@@ -120,6 +120,29 @@ std::vector<std::string> all_gather_bytes(Communicator& comm, const std::string&
   return all;
 }
 
+// The safetensors dtype of a module-state tensor (buffers are of any dtype).
+std::string st_dtype_of(torch::ScalarType t) {
+  switch (t) {
+    case torch::kFloat64: return "F64";
+    case torch::kFloat32: return "F32";
+    case torch::kFloat16: return "F16";
+    case torch::kBFloat16: return "BF16";
+    case torch::kInt64: return "I64";
+    case torch::kInt32: return "I32";
+    case torch::kInt16: return "I16";
+    case torch::kInt8: return "I8";
+    case torch::kUInt8: return "U8";
+    case torch::kBool: return "BOOL";
+    default: break;
+  }
+  STRATA_FAIL("a module buffer or frozen parameter of dtype ", t, " cannot be saved in a checkpoint");
+}
+
+// Buffers and frozen parameters as they were before attach cast them: on CPU, contiguous.
+torch::Tensor state_value(const torch::Tensor& tensor, torch::ScalarType original) {
+  return tensor.detach().to(torch::kCPU, original).contiguous();
+}
+
 // The optimizer's kind, state arrays, each group's hyper-parameters and the
 // schedule with its position (Note [Saving a checkpoint]).
 json optimizer_state(const EngineContext& s, int64_t optimizer_steps) {
@@ -260,6 +283,20 @@ void Engine::save(const std::string& dir) {
         if (i + 1 < s.families.size()) s.read_ahead(members(s.families[i + 1]), ahead, /*only_into_free=*/true);
       });
 
+  // Buffers and frozen parameters (rank 0's, as DDP keeps them): one small file.
+  if (writing && !impl.module_state.empty()) try {
+    std::vector<SafetensorsWriter::Spec> specs;
+    for (const auto& m : impl.module_state) specs.push_back({m.name, st_dtype_of(m.original), shape_of(m.tensor)});
+    SafetensorsWriter sw(w->path("module_state.safetensors"), specs);
+    for (const auto& m : impl.module_state) {
+      const torch::Tensor v = state_value(m.tensor, m.original);
+      sw.append(v.data_ptr(), static_cast<size_t>(v.numel()) * v.element_size());
+    }
+    sw.finish();
+    w->add("module_state.safetensors", sw.bytes(), sw.checksum());
+  } catch (...) {
+    failed();
+  }
   json params = json::array();
   for (size_t i : order) {
     const ManagedParam& p = s.params[i];
@@ -455,6 +492,28 @@ void Engine::load(const std::string& dir) {
   }
   if (mid) grad = open("grad.safetensors", compute);
   for (const std::string& file : rng_files) STRATA_CHECK(r.has(file), "checkpoint ", r.dir(), " lists no ", file);
+  // Buffers and frozen parameters: every one the module has, by name and shape
+  // (checkpoints from before they were saved have none: the module keeps its own).
+  std::unique_ptr<SafetensorsReader> module_state;
+  if (r.has("module_state.safetensors")) {
+    module_state = std::make_unique<SafetensorsReader>(r.path("module_state.safetensors"));
+    std::vector<std::string> missing;
+    for (const auto& m : impl.module_state) {
+      const checkpoint::TensorEntry* e = module_state->header().find(m.name);
+      if (e == nullptr) {
+        missing.push_back(m.name);
+        continue;
+      }
+      STRATA_CHECK(e->shape == shape_of(m.tensor), "checkpoint ", r.dir(), ": buffer or frozen parameter ", m.name,
+                   " is ", shape_str(e->shape), " there but ", shape_str(shape_of(m.tensor)),
+                   " in the model (nothing was loaded)");
+    }
+    STRATA_CHECK(missing.empty(), "checkpoint ", r.dir(), " has no buffer or frozen parameter ",
+                 fmt::format("{}", fmt::join(missing, ", ")), " (nothing was loaded); it was saved from another model");
+  } else if (!impl.module_state.empty()) {
+    STRATA_LOG(kWarn, "checkpoint {} holds no buffers or frozen parameters (saved by an older strata): the module "
+               "keeps its own", r.dir());
+  }
 
   // Everything checked: from here on the engine changes.
   try {
@@ -503,6 +562,24 @@ void Engine::load(const std::string& dir) {
       if (mid) read(*grad, p, fam.grad);
       p.steps = saved.at(p.name).steps;
     });
+    if (module_state) {
+      torch::NoGradGuard no_grad;
+      for (const auto& m : impl.module_state) {
+        const checkpoint::TensorEntry& e = *module_state->header().find(m.name);
+        std::vector<char> bytes(static_cast<size_t>(e.end - e.begin));
+        module_state->read(e, 0, bytes.data(), bytes.size());
+        const torch::ScalarType saved = [&] {
+          for (torch::ScalarType st : {torch::kFloat64, torch::kFloat32, torch::kFloat16, torch::kBFloat16,
+                                       torch::kInt64, torch::kInt32, torch::kInt16, torch::kInt8, torch::kUInt8,
+                                       torch::kBool}) {
+            if (st_dtype_of(st) == e.dtype) return st;
+          }
+          STRATA_FAIL(module_state->path(), ": tensor ", m.name, " has dtype ", e.dtype);
+        }();
+        const torch::Tensor v = torch::from_blob(bytes.data(), e.shape, saved);
+        m.tensor.copy_(v);
+      }
+    }
     if (!mid) impl.sink->zero();
     for (ManagedParam& p : s.params) p.has_grad = mid && saved.at(p.name).has_grad;
     for (auto& [stem, gen] : generators(s.device)) {
@@ -590,6 +667,8 @@ void Engine::export_weights(const std::string& path) {
     w->finish();
     STRATA_CHECK(::rename(tmp.c_str(), path.c_str()) == 0, "cannot rename ", tmp, " to ", path, ": ",
                  std::strerror(errno));
+    // The rename is durable only once the directory entry is on disk.
+    checkpoint::sync_directory(std::filesystem::absolute(path).parent_path().string());
   });
   if (s.data_parallel()) {
     float rank0_failed = write_failure ? 1.0f : 0.0f;

@@ -66,6 +66,15 @@ struct Engine::Impl final : OpObserver {
   std::unique_ptr<OpHook> hook;
   std::vector<Cast> casts;
   std::vector<std::pair<std::string, torch::Tensor>> frozen;  // frozen parameters, for export_weights
+  // Buffers (BatchNorm statistics) and frozen parameters, by their module
+  // names, with the dtype they had before attach: the module state a
+  // checkpoint keeps beside the chunks (module_state.safetensors).
+  struct ModuleState {
+    std::string name;
+    torch::Tensor tensor;
+    torch::ScalarType original;
+  };
+  std::vector<ModuleState> module_state;
   int micro_steps = 0;
   // A load that failed after it began changing chunks left the state mixed:
   // training refuses until a load succeeds (Note [Loading a checkpoint]).

@@ -371,3 +371,89 @@ TEST(Checkpoint, WeightsExportAsSafetensorsAndImportAtAttach) {
 
 }  // namespace
 }  // namespace strata::parallel
+
+namespace strata::parallel {
+namespace {
+
+// BatchNorm (running statistics, a step counter) and a frozen layer: the
+// module state beside the chunks.
+struct NormNet : torch::nn::Module {
+  torch::nn::Linear frozen{nullptr}, a{nullptr}, b{nullptr};
+  torch::nn::BatchNorm1d bn{nullptr};
+  NormNet() {
+    frozen = register_module("frozen", torch::nn::Linear(16, 16));
+    a = register_module("a", torch::nn::Linear(16, 32));
+    bn = register_module("bn", torch::nn::BatchNorm1d(32));
+    b = register_module("b", torch::nn::Linear(32, 4));
+    for (auto& p : frozen->parameters()) p.set_requires_grad(false);
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return b->forward(torch::relu(bn->forward(a->forward(frozen->forward(x))))); }
+};
+
+TEST(Checkpoint, ResumesBuffersAndFrozenParametersBitForBit) {
+  const std::string dir = temp_path("norm-checkpoint");
+  std::vector<torch::Tensor> xs, ys;
+  torch::manual_seed(21);
+  for (int s = 0; s < 8; ++s) {
+    xs.push_back(torch::randn({8, 16}));
+    ys.push_back(torch::randn({8, 4}));
+  }
+  EngineOptions o;
+  o.budgets = {1 << 14, 1 << 20, 0};
+  o.chunk_elems = 256;
+  const auto train = [&](NormNet& m, Engine& e, int from, int to) {
+    for (int s = from; s < to; ++s) {
+      ASSERT_TRUE(e.train_step([&] { return torch::mse_loss(m.forward(xs[s]), ys[s]); }).stepped);
+    }
+  };
+  torch::manual_seed(1);
+  auto whole = std::make_shared<NormNet>();
+  torch::manual_seed(1);
+  auto first = std::make_shared<NormNet>();
+  {
+    auto engine = attach(*whole, AdamWConfig{}, o);
+    train(*whole, *engine, 0, 8);
+  }
+  {
+    auto engine = attach(*first, AdamWConfig{}, o);
+    train(*first, *engine, 0, 4);
+    engine->save(dir);
+  }
+  torch::manual_seed(2);  // other weights, other frozen layer, fresh statistics
+  auto resumed = std::make_shared<NormNet>();
+  {
+    auto engine = attach(*resumed, AdamWConfig{}, o);
+    engine->load(dir);
+    EXPECT_TRUE(torch::equal(resumed->bn->running_mean, first->bn->running_mean));
+    EXPECT_EQ(resumed->bn->num_batches_tracked.item<int64_t>(), 4);
+    train(*resumed, *engine, 4, 8);
+  }
+  const auto a = whole->named_parameters(), b = resumed->named_parameters();
+  for (const auto& item : a) EXPECT_TRUE(torch::equal(item.value(), b[item.key()])) << item.key();
+  const auto ba = whole->named_buffers(), bb = resumed->named_buffers();
+  for (const auto& item : ba) EXPECT_TRUE(torch::equal(item.value(), bb[item.key()])) << item.key();
+  EXPECT_EQ(resumed->bn->num_batches_tracked.item<int64_t>(), 8);
+
+  // A model whose buffers differ in shape is refused before anything changes.
+  struct Wider : torch::nn::Module {
+    torch::nn::Linear frozen{nullptr}, a{nullptr}, b{nullptr};
+    torch::nn::BatchNorm1d bn{nullptr};
+    Wider() {
+      frozen = register_module("frozen", torch::nn::Linear(16, 16));
+      a = register_module("a", torch::nn::Linear(16, 32));
+      bn = register_module("bn", torch::nn::BatchNorm1d(32));
+      b = register_module("b", torch::nn::Linear(32, 4));
+      for (auto& p : frozen->parameters()) p.set_requires_grad(false);
+      bn->running_mean.resize_({33});
+    }
+  };
+  auto wider = std::make_shared<Wider>();
+  auto engine = attach(*wider, AdamWConfig{}, o);
+  const std::string e = error_of([&] { engine->load(dir); });
+  EXPECT_NE(e.find("buffer or frozen parameter bn.running_mean is [32] there but [33] in the model"),
+            std::string::npos) << e;
+  std::filesystem::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace strata::parallel
