@@ -77,17 +77,20 @@ int run(int argc, char** argv) {
                     nvme_budget = env_or("STRATA_NVME_BUDGET", "auto"),
                     nvme_dir = env_or("STRATA_NVME_DIR", "/tmp/strata-gpt-nvme");
   CLI::App app{"Train a small GPT on text with strata"};
+  app.option_defaults()->always_capture_default();
+  const CLI::Validator finite_number(
+      [](std::string& s) { return std::isfinite(std::stod(s)) ? std::string() : "must be a finite number"; }, "FINITE");
   app.add_option("--data", data, "text file (default: Debian's fortunes-min corpus)");
-  app.add_option("--steps", steps)->check(CLI::PositiveNumber);
-  app.add_option("--layers", mc.layers)->check(CLI::PositiveNumber);
-  app.add_option("--dim", mc.dim)->check(CLI::PositiveNumber);
-  app.add_option("--heads", mc.heads)->check(CLI::PositiveNumber);
-  app.add_option("--context", mc.context)->check(CLI::PositiveNumber);
-  app.add_option("--batch", batch)->check(CLI::PositiveNumber);
-  app.add_option("--lr", lr, "peak learning rate")->check(CLI::NonNegativeNumber);
+  app.add_option("--steps", steps, "training steps (optimizer steps times --grad-accumulation)")->check(CLI::PositiveNumber);
+  app.add_option("--layers", mc.layers, "transformer blocks")->check(CLI::PositiveNumber);
+  app.add_option("--dim", mc.dim, "model width")->check(CLI::PositiveNumber);
+  app.add_option("--heads", mc.heads, "attention heads (divides --dim)")->check(CLI::PositiveNumber);
+  app.add_option("--context", mc.context, "tokens (bytes) per sequence")->check(CLI::PositiveNumber);
+  app.add_option("--batch", batch, "sequences per step")->check(CLI::PositiveNumber);
+  app.add_option("--lr", lr, "peak learning rate")->check(CLI::NonNegativeNumber & finite_number);
   app.add_option("--optimizer", optimizer, "adamw, adam, lion or sgd")
       ->check(CLI::IsMember({"adamw", "adam", "lion", "sgd"}));
-  app.add_option("--weight-decay", weight_decay)->check(CLI::NonNegativeNumber);
+  app.add_option("--weight-decay", weight_decay, "weight decay of the decayed group")->check(CLI::NonNegativeNumber & finite_number);
   app.add_option("--warmup", warmup, "linear warm-up steps; -1: a tenth of --steps")->check(CLI::Range(-1, 1 << 30));
   app.add_option("--schedule", schedule, "decay after warm-up: cosine, linear or constant")
       ->check(CLI::IsMember({"cosine", "linear", "constant"}));
@@ -99,9 +102,9 @@ int run(int argc, char** argv) {
   app.add_option("--device-budget", device_budget, "auto: a quarter of the model state");
   app.add_option("--host-budget", host_budget, "auto: half of the model state");
   app.add_option("--nvme-budget", nvme_budget, "auto: twice the model state; 0: no nvme tier");
-  app.add_option("--nvme-dir", nvme_dir);
+  app.add_option("--nvme-dir", nvme_dir, "directory for the NVMe tier's files");
   app.add_option("--precision", precision, "fp32, bf16 or fp16 (fp16 with dynamic loss scaling)");
-  app.add_option("--grad-accumulation", opts.grad_accumulation)->check(CLI::PositiveNumber);
+  app.add_option("--grad-accumulation", opts.grad_accumulation, "micro-steps per optimizer step")->check(CLI::PositiveNumber);
   app.add_option("--clip-norm", opts.clip_norm, "global grad-norm clipping; 0: none");
   app.add_option("--nvme-optim-fraction", opts.nvme_optim_fraction,
                  "fraction of chunk families whose optimizer state lives on NVMe; -1: auto");
@@ -120,6 +123,17 @@ int run(int argc, char** argv) {
   app.add_flag("--baseline", baseline, "train with plain LibTorch and torch::optim::AdamW instead (for comparison)");
   CLI11_PARSE(app, argc, argv);
   opts.precision = strata::parse_dtype(precision);
+  if (opts.precision == strata::DType::kFloat16 && !torch::cuda::is_available()) {
+    // Debian's LibTorch 1.13 has almost no fp16 CPU kernels (docs/engine.md):
+    // say so before building anything, not with a LibTorch backtrace mid-step.
+    try {
+      const torch::Tensor h = torch::ones({2, 2}, torch::kHalf);
+      torch::softmax(torch::addmm(h, h, h), -1);
+    } catch (const std::exception&) {
+      STRATA_FAIL("--precision fp16 needs fp16 matrix and softmax kernels on the CPU, which this LibTorch (",
+                  TORCH_VERSION, ") lacks; use --precision bf16, or a LibTorch 2.x or GPU build for fp16");
+    }
+  }
   // Paths the run will write: checked now, not after the training they would end.
   if (save_every > 0) strata::parallel::Engine::check_save_target(checkpoint_dir);
   if (!export_weights.empty()) strata::parallel::Engine::check_export_target(export_weights);
@@ -201,6 +215,8 @@ int run(int argc, char** argv) {
   if (!resume.empty()) {
     engine->load(resume);
     first_step = static_cast<int>(engine->micro_steps()) + 1;
+    STRATA_CHECK(first_step <= steps, "--resume ", resume, " is at step ", first_step - 1, ", already past --steps ",
+                 steps, "; give a larger --steps to train on");
     fmt::print("resumed from {} at step {}\n", resume, first_step);  // each rank with its own RNG state
   }
   const bool tty = isatty(STDOUT_FILENO);

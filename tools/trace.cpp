@@ -37,7 +37,16 @@ void record(const RecordOptions& o) {
   STRATA_CHECK(!o.command.empty(), "give the program to run after --, e.g. strata trace record -- build/examples/gpt");
   STRATA_CHECK(o.steps >= 1, "--steps must be at least 1");
   const std::string out = std::filesystem::absolute(o.out).string();
-  std::filesystem::remove(out);  // a trace left from an earlier run must not pass for this one
+  // A trace left from an earlier run must not pass for this one; anything
+  // else at that path is the user's and stays.
+  if (std::filesystem::exists(out)) {
+    try {
+      memory::read_trace(out);
+    } catch (const std::exception&) {
+      STRATA_FAIL(out, " exists and is not a strata trace; give -o a new path or a trace to replace");
+    }
+    std::filesystem::remove(out);
+  }
   const pid_t pid = ::fork();
   STRATA_CHECK(pid >= 0, "fork failed: ", std::strerror(errno));
   if (pid == 0) {
@@ -54,10 +63,16 @@ void record(const RecordOptions& o) {
   while (::waitpid(pid, &status, 0) < 0) {
     STRATA_CHECK(errno == EINTR, "waitpid failed: ", std::strerror(errno));
   }
-  STRATA_CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0, o.command[0], " failed (",
-               WIFEXITED(status) ? fmt::format("exit status {}", WEXITSTATUS(status))
-                                 : fmt::format("signal {}", WTERMSIG(status)),
-               "); no trace recorded");
+  if (!(WIFEXITED(status) && WEXITSTATUS(status) == 0)) {
+    // The program may have failed after the traced steps: say whether a trace was written.
+    std::error_code ec;
+    const bool written = std::filesystem::exists(out, ec);
+    STRATA_FAIL(o.command[0], " failed (",
+                WIFEXITED(status) ? fmt::format("exit status {}", WEXITSTATUS(status))
+                                  : fmt::format("signal {}", WTERMSIG(status)),
+                written ? fmt::format("); it wrote its trace to {} before that", out)
+                        : std::string("); no trace recorded"));
+  }
   STRATA_CHECK(std::filesystem::exists(out), o.command[0], " exited without writing a trace to ", out,
                ": does it train through strata::parallel::attach with EngineOptions::from_env, and for at least ",
                o.steps, " steps?");
