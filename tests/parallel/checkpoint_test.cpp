@@ -435,19 +435,11 @@ TEST(Checkpoint, ResumesBuffersAndFrozenParametersBitForBit) {
   EXPECT_EQ(resumed->bn->num_batches_tracked.item<int64_t>(), 8);
 
   // A model whose buffers differ in shape is refused before anything changes.
-  struct Wider : torch::nn::Module {
-    torch::nn::Linear frozen{nullptr}, a{nullptr}, b{nullptr};
-    torch::nn::BatchNorm1d bn{nullptr};
-    Wider() {
-      frozen = register_module("frozen", torch::nn::Linear(16, 16));
-      a = register_module("a", torch::nn::Linear(16, 32));
-      bn = register_module("bn", torch::nn::BatchNorm1d(32));
-      b = register_module("b", torch::nn::Linear(32, 4));
-      for (auto& p : frozen->parameters()) p.set_requires_grad(false);
-      bn->running_mean.resize_({33});
-    }
-  };
-  auto wider = std::make_shared<Wider>();
+  auto wider = std::make_shared<NormNet>();
+  {
+    torch::NoGradGuard no_grad;
+    wider->bn->running_mean.resize_({33});
+  }
   auto engine = attach(*wider, AdamWConfig{}, o);
   const std::string e = error_of([&] { engine->load(dir); });
   EXPECT_NE(e.find("buffer or frozen parameter bn.running_mean is [32] there but [33] in the model"),
