@@ -79,7 +79,12 @@ int run(int argc, char** argv) {
   CLI::App app{"Train a small GPT on text with strata"};
   app.option_defaults()->always_capture_default();
   const CLI::Validator finite_number(
-      [](std::string& s) { return std::isfinite(std::stod(s)) ? std::string() : "must be a finite number"; }, "FINITE");
+      [](std::string& s) {
+        char* end = nullptr;
+        const double v = std::strtod(s.c_str(), &end);
+        return end != s.c_str() && std::isfinite(v) ? std::string() : std::string("must be a finite number");
+      },
+      "FINITE");
   app.add_option("--data", data, "text file (default: Debian's fortunes-min corpus)");
   app.add_option("--steps", steps, "training steps (optimizer steps times --grad-accumulation)")->check(CLI::PositiveNumber);
   app.add_option("--layers", mc.layers, "transformer blocks")->check(CLI::PositiveNumber);

@@ -109,24 +109,6 @@ std::vector<std::string> all_gather_bytes(Communicator& comm, const std::string&
   return all;
 }
 
-// The safetensors dtype of a module-state tensor (buffers are of any dtype).
-std::string st_dtype_of(torch::ScalarType t) {
-  switch (t) {
-    case torch::kFloat64: return "F64";
-    case torch::kFloat32: return "F32";
-    case torch::kFloat16: return "F16";
-    case torch::kBFloat16: return "BF16";
-    case torch::kInt64: return "I64";
-    case torch::kInt32: return "I32";
-    case torch::kInt16: return "I16";
-    case torch::kInt8: return "I8";
-    case torch::kUInt8: return "U8";
-    case torch::kBool: return "BOOL";
-    default: break;
-  }
-  STRATA_FAIL("a module buffer or frozen parameter of dtype ", t, " cannot be saved in a checkpoint");
-}
-
 // Buffers and frozen parameters as they were before attach cast them: on CPU, contiguous.
 torch::Tensor state_value(const torch::Tensor& tensor, torch::ScalarType original) {
   return tensor.detach().to(torch::kCPU, original).contiguous();
@@ -496,6 +478,7 @@ void Engine::load(const std::string& dir) {
       STRATA_CHECK(e->shape == shape_of(m.tensor), "checkpoint ", r.dir(), ": buffer or frozen parameter ", m.name,
                    " is ", shape_str(e->shape), " there but ", shape_str(shape_of(m.tensor)),
                    " in the model (nothing was loaded)");
+      scalar_type_of_st(e->dtype);  // a dtype it cannot take fails here, before anything changes
     }
     STRATA_CHECK(missing.empty(), "checkpoint ", r.dir(), " has no buffer or frozen parameter ",
                  fmt::format("{}", fmt::join(missing, ", ")), " (nothing was loaded); it was saved from another model");
@@ -557,15 +540,7 @@ void Engine::load(const std::string& dir) {
         const checkpoint::TensorEntry& e = *module_state->header().find(m.name);
         std::vector<char> bytes(static_cast<size_t>(e.end - e.begin));
         module_state->read(e, 0, bytes.data(), bytes.size());
-        const torch::ScalarType saved = [&] {
-          for (torch::ScalarType st : {torch::kFloat64, torch::kFloat32, torch::kFloat16, torch::kBFloat16,
-                                       torch::kInt64, torch::kInt32, torch::kInt16, torch::kInt8, torch::kUInt8,
-                                       torch::kBool}) {
-            if (st_dtype_of(st) == e.dtype) return st;
-          }
-          STRATA_FAIL(module_state->path(), ": tensor ", m.name, " has dtype ", e.dtype);
-        }();
-        const torch::Tensor v = torch::from_blob(bytes.data(), e.shape, saved);
+        const torch::Tensor v = torch::from_blob(bytes.data(), e.shape, scalar_type_of_st(e.dtype));
         m.tensor.copy_(v);
       }
     }

@@ -96,7 +96,8 @@ double StepPipeline::current_lr(size_t group) const {
 
 // Pins family `index` on host, calls `pinned_hook` (the read-ahead of the
 // next family, which must not evict this one), then updates it.
-void StepPipeline::update_family(size_t index, float grad_scale, const std::function<void()>& pinned_hook) {
+void StepPipeline::update_family(size_t index, float grad_scale, const std::vector<float>& lrs,
+                                 const std::function<void()>& pinned_hook) {
   const memory::FamilyId f = ctx_.families[index];
   const memory::ChunkFamily& fam = ctx_.mgr->family(f);
   const auto waited_from = Clock::now();
@@ -122,15 +123,14 @@ void StepPipeline::update_family(size_t index, float grad_scale, const std::func
           s.param_dtype = ctx_.options.precision;
         }
       }
-      update_param(p, s, grad_scale);  // counts the step even when this rank owns none of it
+      update_param(p, s, grad_scale, lrs[p.group]);  // counts the step even when this rank owns none of it
     }
   });
 }
 
-void StepPipeline::update_param(ManagedParam& p, const kernels::OptimSpans& s, float grad_scale) {
+void StepPipeline::update_param(ManagedParam& p, const kernels::OptimSpans& s, float grad_scale, float lr) {
   const OptimizerConfig& o = ctx_.optimizer;
   const GroupSettings& g = ctx_.groups[p.group];
-  const float lr = static_cast<float>(current_lr(p.group));
   p.steps += 1;
   if (s.n == 0) return;
   switch (o.kind) {
@@ -201,10 +201,12 @@ bool StepPipeline::step(double& grad_norm) {
   if (options.clip_norm > 0) multiplier *= kernels::clip_coefficient(grad_norm, options.clip_norm);
 
   const std::vector<memory::FamilyId>& families = ctx_.families;
+  std::vector<float> lrs(ctx_.groups.size());  // each group's lr for this step: base x schedule
+  for (size_t g = 0; g < lrs.size(); ++g) lrs[g] = static_cast<float>(current_lr(g));
   std::vector<offload::CopyTicket> ahead, behind;
   try {
     for (size_t i = 0; i < families.size(); ++i) {
-      update_family(i, static_cast<float>(multiplier), [&] {
+      update_family(i, static_cast<float>(multiplier), lrs, [&] {
         if (i + 1 < families.size() && options.prefetch) {
           ctx_.read_ahead(ctx_.step_members(families[i + 1]), ahead, /*only_into_free=*/true);
         }

@@ -60,8 +60,9 @@ class StepPipeline {
 
  private:
   kernels::GradStats grad_stats();
-  void update_family(size_t index, float grad_scale, const std::function<void()>& pinned_hook);
-  void update_param(ManagedParam& p, const kernels::OptimSpans& spans, float grad_scale);
+  void update_family(size_t index, float grad_scale, const std::vector<float>& lrs,
+                     const std::function<void()>& pinned_hook);
+  void update_param(ManagedParam& p, const kernels::OptimSpans& spans, float grad_scale, float lr);
 
   EngineContext& ctx_;
   GradSink& sink_;

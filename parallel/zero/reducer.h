@@ -5,6 +5,7 @@
 // 1, a reduce-scatter into the rank's gradient shard at stages 2 and 3 (Note
 // [ZeRO over chunks]).
 
+#include <atomic>
 #include <mutex>
 #include <vector>
 
@@ -50,7 +51,7 @@ class GradientReducer {
 
   EngineContext& ctx_;
   std::mutex mu_;
-  bool active_ = false;
+  std::atomic<bool> active_{false};  // read by the autograd threads delivering gradients
   std::vector<size_t> arrived_;  // per family position; complete at params_of_chunk[its param chunk].size()
   // Per family position: null before it is issued (positions below cursor_)
   // and again once settled.
