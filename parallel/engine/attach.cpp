@@ -60,6 +60,7 @@ Engine::Impl::Impl(torch::nn::Module& module, OptimizerConfig optimizer, EngineO
     ManagedParam p;
     p.name = item.key();
     p.tensor = t;
+    p.shape = t.sizes().vec();
     p.original_device = t.device();
     p.numel = t.numel();
     ctx.params.push_back(p);
@@ -80,6 +81,7 @@ Engine::Impl::Impl(torch::nn::Module& module, OptimizerConfig optimizer, EngineO
 
   if (ctx.data_parallel()) reducer = std::make_unique<GradientReducer>(ctx);
   sink = std::make_unique<GradSink>(ctx, reducer.get());
+  access = std::make_unique<ParamAccess>(ctx, *sink);
   if (ctx.stage == 1 || ctx.stage == 2) step_gathers = std::make_unique<StepGathers>(ctx);
   pipeline = std::make_unique<StepPipeline>(ctx, *sink, step_gathers.get());
   pipeline->place_optimizer_state();
@@ -106,9 +108,17 @@ Engine::Impl::~Impl() {
 
 void Engine::Impl::detach() noexcept {
   try {
+    if (access && poisoned.empty()) {
+      std::lock_guard<std::mutex> lock(access_mu);
+      access->absorb_replaced();  // data user code gave a parameter since the last step
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "[strata error] parameter data given since the last step is lost: %s\n", e.what());
+  }
+  try {
     if (sink) sink->uninstall();
     if (hook) {
-      for (ManagedParam& p : ctx.params) hook->untrack(p.tensor);
+      for (size_t i = 0; i < ctx.params.size(); ++i) hook->untrack(static_cast<int64_t>(i));
     }
     std::unordered_map<memory::FamilyId, std::vector<float>> copies;
     for (memory::FamilyId f : ctx.families) copies[f] = family_values(ctx, f);

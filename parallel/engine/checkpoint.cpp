@@ -151,6 +151,7 @@ void Engine::check_export_target(const std::string& path) { checkpoint::check_wr
 // See Note [Saving a checkpoint] and Note [Checkpoints across ranks].
 void Engine::save(const std::string& dir) {
   Impl& impl = *impl_;
+  Impl::Busy hold(impl);
   EngineContext& s = impl.ctx;
   STRATA_CHECK(impl.poisoned.empty(), impl.poisoned);
   const std::vector<size_t> order = params_in_chunk_order(s);
@@ -328,6 +329,7 @@ void Engine::save(const std::string& dir) {
 // See Note [Loading a checkpoint].
 void Engine::load(const std::string& dir) {
   Impl& impl = *impl_;
+  Impl::Busy hold(impl);
   EngineContext& s = impl.ctx;
   checkpoint::CheckpointReader r(dir);
   STRATA_CHECK(r.manifest().kind == kKind, "checkpoint ", r.dir(), " was written by \"", r.manifest().kind,

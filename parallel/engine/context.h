@@ -48,6 +48,7 @@ inline double seconds_since(Clock::time_point t) {
 struct ManagedParam {
   std::string name;
   torch::Tensor tensor;
+  std::vector<int64_t> shape;  // as attached; the tensor's own may change if user code replaces its data
   c10::intrusive_ptr<c10::StorageImpl> storage;
   torch::Device original_device{torch::kCPU};
   std::shared_ptr<torch::autograd::Node> accumulator;

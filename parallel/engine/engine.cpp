@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <exception>
 
 #include "engine_impl.h"
 
@@ -14,8 +15,10 @@ namespace strata::parallel {
 
 // --- one operator (forward, backward or Engine::run) -------------------------
 
-void Engine::Impl::before_op(const c10::OperatorHandle& op, const std::vector<int64_t>& ids) {
-  if (tracing()) recorder->begin_op(op.schema().name(), ids);
+void Engine::Impl::before_op(const OpCall& call) {
+  if (!call.in_scope) return before_outside(call);
+  const std::vector<int64_t>& ids = call.ids;
+  if (tracing()) recorder->begin_op(call.op.schema().name(), ids);
   if (ids.empty()) {
     residency.relieve_capacity();
     return;
@@ -23,47 +26,169 @@ void Engine::Impl::before_op(const c10::OperatorHandle& op, const std::vector<in
   uint64_t needed = 0;
   const std::vector<ChunkId> chunks = residency.chunks_of(ids, needed);  // the operator's working set
   if (op_gathers) op_gathers->before_operator(chunks, residency.in_step());  // ZeRO-3: full chunks from shards
-  residency.prepare(op.schema().name(), ctx.params[static_cast<size_t>(ids.front())].name, chunks, needed);
+  residency.prepare(call.op.schema().name(), ctx.params[static_cast<size_t>(ids.front())].name, chunks, needed);
   residency.pin_operator(ids);
-  residency.prefetch_next();
+  try {
+    residency.prefetch_next();
+  } catch (...) {
+    residency.unpin_operator(ids);
+    throw;
+  }
 }
 
-void Engine::Impl::after_op(const c10::OperatorHandle&, const std::vector<int64_t>& ids) {
-  residency.unpin_operator(ids);
+void Engine::Impl::after_op(const OpCall& call) {
+  if (!call.in_scope) return after_outside(call);
+  try {
+    land_writes(call);
+  } catch (...) {
+    residency.unpin_operator(call.ids);
+    throw;
+  }
+  residency.unpin_operator(call.ids);
   if (tracing()) recorder->end_op();
+}
+
+// Values an operator wrote into parameters (Note [Parameters between steps]).
+void Engine::Impl::land_writes(const OpCall& call) {
+  for (int64_t id : call.written) {
+    const auto i = static_cast<size_t>(id);
+    if (access->replaced(i)) {
+      access->absorb(i, /*pinned=*/true);  // Tensor::set_ (torch::load) gave it another storage
+    } else {
+      access->land_written(i);
+    }
+  }
+}
+
+// --- operators on parameters between steps -----------------------------------
+
+namespace {
+thread_local bool t_holds_access = false;  // this thread holds access_mu for an operator
+}  // namespace
+
+void Engine::Impl::before_outside(const OpCall& call) {
+  const std::string& name = ctx.params[static_cast<size_t>(call.ids.front())].name;
+  const bool own_step = busy.load() && step_thread == std::this_thread::get_id();  // a before_step callback
+  if (!own_step) {
+    STRATA_CHECK(!busy.load(), "parameter ", name, " was used by ", call.op.schema().name(),
+                 " on another thread while train_step or run is running; use parameters between steps, or "
+                 "inside the step from the thread that runs it");
+    access_mu.lock();
+    t_holds_access = true;
+  }
+  try {
+    STRATA_CHECK(poisoned.empty(), "parameter ", name, " cannot be read: ", poisoned);
+    residency.leave_plan();
+    uint64_t needed = 0;
+    const std::vector<ChunkId> chunks = residency.chunks_of(call.ids, needed);
+    if (op_gathers) op_gathers->before_operator(chunks, /*in_step=*/false);
+    residency.prepare(call.op.schema().name(), name, chunks, needed);
+    residency.pin_operator(call.ids);
+  } catch (...) {
+    if (op_gathers) {
+      try {
+        op_gathers->release_all();
+      } catch (...) {  // the first failure is the one reported
+      }
+    }
+    if (t_holds_access) {
+      t_holds_access = false;
+      access_mu.unlock();
+    }
+    throw;
+  }
+}
+
+void Engine::Impl::after_outside(const OpCall& call) {
+  std::exception_ptr failure;
+  try {
+    land_writes(call);
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  residency.unpin_operator(call.ids);
+  try {
+    if (op_gathers) op_gathers->release_all();
+  } catch (...) {
+    if (!failure) failure = std::current_exception();
+  }
+  if (t_holds_access) {
+    t_holds_access = false;
+    access_mu.unlock();
+  }
+  if (failure) std::rethrow_exception(failure);
+}
+
+Engine::Impl::Busy::Busy(Impl& impl) : impl_(impl) {
+  STRATA_CHECK(!(impl.busy.load() && impl.step_thread == std::this_thread::get_id()),
+               "train_step, run, save, load and export_weights cannot be called from inside train_step or run "
+               "(from the loss function or the before_step callback)");
+  lock_ = std::unique_lock<std::mutex>(impl.access_mu);
+  impl.step_thread = std::this_thread::get_id();
+  impl.busy = true;
+  try {
+    impl.access->absorb_replaced();  // torch::load, set_data: Note [Parameters between steps]
+  } catch (...) {
+    impl.busy = false;
+    impl.step_thread = {};
+    throw;
+  }
+}
+
+Engine::Impl::Busy::~Busy() {
+  impl_.busy = false;
+  impl_.step_thread = {};
 }
 
 // --- one step ----------------------------------------------------------------
 
-StepResult Engine::Impl::train_step(const std::function<torch::Tensor()>& loss_fn) {
+StepResult Engine::Impl::train_step(const std::function<torch::Tensor()>& loss_fn,
+                                    const std::function<void()>& before_step) {
+  Busy hold(*this);
   STRATA_CHECK(poisoned.empty(), poisoned);
   StepResult r;
   r.loss_scale = pipeline->loss_scale();
   const bool boundary = (micro_steps + 1) % ctx.options.grad_accumulation == 0;
-  if (recorder) recorder->begin_step();
-  residency.begin_step();
-  if (op_gathers) op_gathers->begin_step();
-  {
-    OpHook::Scope scope(*hook);
-    torch::Tensor loss = loss_fn();  // forward: operators through before_op/after_op
-    STRATA_CHECK(loss.defined() && loss.numel() == 1, "train_step's closure must return the loss as one number");
-    r.loss = loss.item<double>();
-    if (tracing()) recorder->set_phase("backward");
-    if (reducer && boundary) reducer->begin();
-    if (ctx.options.prefetch && boundary) pipeline->read_state_early();
-    // Backward: operators as in forward, gradients into the sink, reductions as families complete.
-    if (r.loss_scale != 1.0) {
-      (loss.to(torch::kFloat32) * r.loss_scale).backward();
-    } else {
-      loss.backward();
+  try {
+    if (recorder) recorder->begin_step();
+    residency.begin_step();
+    if (op_gathers) op_gathers->begin_step();
+    {
+      OpHook::Scope scope(*hook);
+      torch::Tensor loss = loss_fn();  // forward: operators through before_op/after_op
+      STRATA_CHECK(loss.defined() && loss.numel() == 1, "train_step's closure must return the loss as one number");
+      r.loss = loss.item<double>();
+      if (tracing()) recorder->set_phase("backward");
+      if (reducer && boundary) reducer->begin();
+      if (ctx.options.prefetch && boundary) pipeline->read_state_early();
+      // Backward: operators as in forward, gradients into the sink, reductions as families complete.
+      if (r.loss_scale != 1.0) {
+        (loss.to(torch::kFloat32) * r.loss_scale).backward();
+      } else {
+        loss.backward();
+      }
     }
+    residency.end_step();
+    if (op_gathers) {
+      op_gathers->end_step();
+      op_gathers->release_all();
+    }
+    if (reducer && boundary) reducer->finish();
+    if (boundary && before_step) {
+      // The gradients the step applies, before clipping: Engine::grad().
+      access->open_grads(1.0 / (ctx.options.grad_accumulation * ctx.world() * r.loss_scale));
+      try {
+        before_step();
+      } catch (...) {
+        access->close_grads();
+        throw;
+      }
+      access->close_grads();
+    }
+  } catch (...) {
+    abandon_step();
+    throw;
   }
-  residency.end_step();
-  if (op_gathers) {
-    op_gathers->end_step();
-    op_gathers->release_all();
-  }
-  if (reducer && boundary) reducer->finish();
   if (++micro_steps % ctx.options.grad_accumulation == 0) {
     if (tracing()) {
       recorder->set_phase("optimizer");
@@ -77,11 +202,63 @@ StepResult Engine::Impl::train_step(const std::function<torch::Tensor()>& loss_f
   return r;
 }
 
+// Note [A train_step that throws]
+// An operator that throws (a shape error in user code, a chunk that could not
+// be read) has already been unpinned by the hook (OpObserver::after_op runs
+// for failed operators too). What remains is the step's own state: the
+// residency plan being followed or recorded, ZeRO-3's gathered chunks and
+// gathers in flight, the gradient reductions in flight, and the gradients
+// backward had added. All are dropped: the plan is recorded again, gathers
+// and reductions are waited for and released, and the gradient chunks are
+// released, including those of earlier micro-steps of the accumulation in
+// progress (the throwing one's contribution cannot be told apart), so the
+// next train_step starts a new accumulation from the same weights. One
+// process then trains on as if the step had not happened. Data parallel, the
+// other ranks are left in the middle of collectives that this rank will never
+// join: they fail when their collective times out, and this rank refuses
+// further steps (poisoned), since its collectives would pair with theirs out
+// of order.
+void Engine::Impl::abandon_step() noexcept {
+  const auto attempt = [](const char* what, const auto& fn) {
+    try {
+      fn();
+    } catch (const std::exception& e) {
+      STRATA_LOG(kWarn, "after the failed train_step, {}: {}", what, e.what());
+    }
+  };
+  attempt("ending the step", [&] { residency.abort_step(); });
+  if (op_gathers) attempt("releasing gathered chunks", [&] {
+      op_gathers->abort_step();
+      op_gathers->release_all();
+    });
+  if (reducer) attempt("waiting for gradient reductions", [&] { reducer->abandon(); });
+  attempt("dropping gradients", [&] { sink->zero(); });
+  if (recorder) attempt("ending the trace step", [&] { recorder->end_step(); });
+  micro_steps -= micro_steps % ctx.options.grad_accumulation;
+  if (ctx.data_parallel()) {
+    poisoned = "an earlier train_step failed on this rank part-way through its collectives, so its collectives "
+               "no longer pair with the other ranks'; destroy the engine on every rank and resume from the last "
+               "checkpoint";
+  }
+}
+
 torch::Tensor Engine::Impl::run(const std::function<torch::Tensor()>& fn) {
+  Busy hold(*this);
   residency.leave_plan();
-  OpHook::Scope scope(*hook);
-  torch::NoGradGuard no_grad;
-  torch::Tensor out = fn().clone();  // owned: it must not alias a parameter chunk
+  torch::Tensor out;
+  try {
+    OpHook::Scope scope(*hook);
+    torch::NoGradGuard no_grad;
+    out = fn().clone();  // owned: it must not alias a parameter chunk
+  } catch (...) {
+    if (op_gathers) {
+      try {
+        op_gathers->release_all();
+      } catch (...) {  // the function's error is the one reported
+      }
+    }
+    throw;
+  }
   if (op_gathers) op_gathers->release_all();
   return out;
 }
@@ -101,7 +278,17 @@ Engine::Engine(torch::nn::Module& module, OptimizerConfig optimizer, EngineOptio
 
 Engine::~Engine() = default;
 
-StepResult Engine::train_step(const std::function<torch::Tensor()>& loss_fn) { return impl_->train_step(loss_fn); }
+StepResult Engine::train_step(const std::function<torch::Tensor()>& loss_fn) {
+  return impl_->train_step(loss_fn, nullptr);
+}
+StepResult Engine::train_step(const std::function<torch::Tensor()>& loss_fn, const std::function<void()>& before_step) {
+  return impl_->train_step(loss_fn, before_step);
+}
+torch::Tensor Engine::grad(const torch::Tensor& param) { return impl_->access->grad(impl_->access->find(param)); }
+torch::Tensor Engine::grad(const std::string& name) { return impl_->access->grad(impl_->access->find(name)); }
+void Engine::set_grad(const torch::Tensor& param, const torch::Tensor& value) {
+  impl_->access->set_grad(impl_->access->find(param), value);
+}
 torch::Tensor Engine::run(const std::function<torch::Tensor()>& fn) { return impl_->run(fn); }
 
 void Engine::zero_grad() {

@@ -13,11 +13,15 @@
 //   step_pipeline.h    the optimizer step over families, NVMe-resident state, the loss scaler
 //   trace_recorder.h   the memory trace
 //   family_stream.h    checkpoint streaming, family by family
+//   param_access.h     parameters between steps: writes, replaced data, gradients
 
 #include <torch/nn/module.h>
 
+#include <atomic>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -25,6 +29,7 @@
 #include "../zero/reducer.h"
 #include "context.h"
 #include "grad_sink.h"
+#include "param_access.h"
 #include "residency.h"
 #include "step_pipeline.h"
 #include "strata/parallel/op_hook.h"
@@ -46,12 +51,12 @@ struct Engine::Impl final : OpObserver {
   /// Gives the parameters owned fp32 memory again (attach.cpp).
   ~Impl() override;
 
-  StepResult train_step(const std::function<torch::Tensor()>& loss_fn);
+  StepResult train_step(const std::function<torch::Tensor()>& loss_fn, const std::function<void()>& before_step);
   torch::Tensor run(const std::function<torch::Tensor()>& fn);
 
   // OpObserver: the components in the order an operator needs them.
-  void before_op(const c10::OperatorHandle& op, const std::vector<int64_t>& ids) override;
-  void after_op(const c10::OperatorHandle& op, const std::vector<int64_t>& ids) override;
+  void before_op(const OpCall& call) override;
+  void after_op(const OpCall& call) override;
   bool observes_all_ops() const override { return tracing() || residency.capacity_enabled(); }
   bool tracing() const { return recorder && recorder->recording(); }
 
@@ -59,6 +64,7 @@ struct Engine::Impl final : OpObserver {
   Residency residency{ctx};
   std::unique_ptr<GradientReducer> reducer;       // data parallel
   std::unique_ptr<GradSink> sink;
+  std::unique_ptr<ParamAccess> access;
   std::unique_ptr<StepGathers> step_gathers;      // ZeRO stages 1-2
   std::unique_ptr<OperatorGathers> op_gathers;    // ZeRO stage 3
   std::unique_ptr<StepPipeline> pipeline;
@@ -80,8 +86,34 @@ struct Engine::Impl final : OpObserver {
   // training refuses until a load succeeds (Note [Loading a checkpoint]).
   std::string poisoned;
 
+  // Note [Parameters between steps]: train_step and run hold `access_mu`
+  // while they run, on `step_thread`; an operator on a parameter outside
+  // them holds it for the operator.
+  std::mutex access_mu;
+  std::atomic<bool> busy{false};
+  std::thread::id step_thread;
+  /// Holds the engine for a step, run, save or load on this thread, and
+  /// takes in parameter data user code replaced since the last one.
+  class Busy {
+   public:
+    explicit Busy(Impl& impl);
+    ~Busy();
+    Busy(const Busy&) = delete;
+    Busy& operator=(const Busy&) = delete;
+
+   private:
+    Impl& impl_;
+    std::unique_lock<std::mutex> lock_;
+  };
+
  private:
   void detach() noexcept;
+  /// Operators on parameters outside train_step and run (Note [Parameters between steps]).
+  void before_outside(const OpCall& call);
+  void after_outside(const OpCall& call);
+  void land_writes(const OpCall& call);
+  /// A train_step that threw: nothing stays pinned, gathered or half-reduced.
+  void abandon_step() noexcept;
 };
 
 /// Copies the tensors of a safetensors file into `module`'s parameters,

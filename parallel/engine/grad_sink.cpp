@@ -27,25 +27,37 @@ class GradToChunk final : public torch::autograd::FunctionPreHook {
 
 }  // namespace
 
+namespace {
+void remove_hook(ManagedParam& p) noexcept {
+  if (!p.accumulator) return;
+  auto& hooks = p.accumulator->pre_hooks();
+  hooks.erase(std::remove_if(hooks.begin(), hooks.end(),
+                             [](const auto& h) { return dynamic_cast<GradToChunk*>(h.get()) != nullptr; }),
+              hooks.end());
+  p.accumulator.reset();
+}
+}  // namespace
+
 void GradSink::install() {
   for (size_t i = 0; i < ctx_.params.size(); ++i) {
-    ManagedParam& p = ctx_.params[i];
-    p.accumulator = torch::autograd::impl::grad_accumulator(p.tensor);
-    STRATA_CHECK(p.accumulator != nullptr, "parameter ", p.name, " has no gradient accumulator");
-    p.accumulator->add_pre_hook(
-        std::make_unique<GradToChunk>([this, i](const torch::Tensor& grad) { accumulate(i, grad); }));
+    ctx_.params[i].accumulator.reset();
+    reinstall(i);
   }
 }
 
+void GradSink::reinstall(size_t i) {
+  ManagedParam& p = ctx_.params[i];
+  std::shared_ptr<torch::autograd::Node> now = torch::autograd::impl::grad_accumulator(p.tensor);
+  STRATA_CHECK(now != nullptr, "parameter ", p.name, " has no gradient accumulator");
+  if (now == p.accumulator) return;
+  remove_hook(p);
+  p.accumulator = std::move(now);
+  p.accumulator->add_pre_hook(
+      std::make_unique<GradToChunk>([this, i](const torch::Tensor& grad) { accumulate(i, grad); }));
+}
+
 void GradSink::uninstall() noexcept {
-  for (ManagedParam& p : ctx_.params) {
-    if (!p.accumulator) continue;
-    auto& hooks = p.accumulator->pre_hooks();
-    hooks.erase(std::remove_if(hooks.begin(), hooks.end(),
-                               [](const auto& h) { return dynamic_cast<GradToChunk*>(h.get()) != nullptr; }),
-                hooks.end());
-    p.accumulator.reset();
-  }
+  for (ManagedParam& p : ctx_.params) remove_hook(p);
 }
 
 void GradSink::accumulate(size_t index, const torch::Tensor& grad) {

@@ -30,6 +30,9 @@ class GradSink {
   /// Puts the pre-hook on every parameter's gradient accumulator (after the
   /// parameter got its chunk storage: a change of dtype gives it a new accumulator).
   void install();
+  /// Parameter `index` got a new gradient accumulator (Tensor::set_data to
+  /// another dtype or device drops the old one): moves the pre-hook to it.
+  void reinstall(size_t index);
   /// Takes the pre-hooks off again. Never throws.
   void uninstall() noexcept;
   /// Adds `grad` into parameter `index`'s slot of its gradient chunk, in the

@@ -4,9 +4,11 @@
 
 #include <algorithm>
 #include <atomic>
+#include <exception>
 #include <memory>
 
 #include "strata/core/error.h"
+#include "strata/core/log.h"
 
 namespace strata::parallel {
 
@@ -14,27 +16,89 @@ namespace {
 
 constexpr c10::DispatchKey kHookKey = c10::DispatchKey::TESTING_ONLY_GenericMode;
 
-std::atomic<OpHook*> g_active{nullptr};
+std::atomic<OpHook*> g_scoped{nullptr};  // the hook whose Scope is active, if any
 
-void add_id(const at::Tensor& t, std::vector<int64_t>& ids,
-            const std::unordered_map<const c10::StorageImpl*, int64_t>& map) {
+// Every tracked storage, process-wide: which hook and which id it is.
+struct Registry {
+  std::mutex mu;
+  std::unordered_map<const c10::StorageImpl*, std::pair<OpHook*, int64_t>> entries;
+};
+Registry& registry() {
+  static auto* r = new Registry;  // never destroyed: static destructors may still run operators
+  return *r;
+}
+
+// TensorImpl keeps its key set protected; a derived type may name the member.
+struct KeySetAccess : c10::TensorImpl {
+  static c10::DispatchKeySet c10::TensorImpl::*member() { return &KeySetAccess::key_set_; }
+};
+
+struct Found {
+  OpHook* hook = nullptr;
+  std::vector<int64_t> ids, written;
+};
+
+void add_id(const at::Tensor& t, bool writes, Found& f, const c10::OperatorHandle& op) {
   if (!t.defined() || !t.has_storage()) return;
-  const auto it = map.find(t.storage().unsafeGetStorageImpl());
-  if (it != map.end() && std::find(ids.begin(), ids.end(), it->second) == ids.end()) ids.push_back(it->second);
+  const auto it = registry().entries.find(t.storage().unsafeGetStorageImpl());
+  if (it == registry().entries.end()) return;
+  const auto [hook, id] = it->second;
+  STRATA_CHECK(f.hook == nullptr || f.hook == hook, "operator ", op.schema().name(),
+               " takes parameters of two attached engines; use each engine's parameters in its own operators");
+  f.hook = hook;
+  if (std::find(f.ids.begin(), f.ids.end(), id) == f.ids.end()) f.ids.push_back(id);
+  if (writes && std::find(f.written.begin(), f.written.end(), id) == f.written.end()) f.written.push_back(id);
+}
+
+Found find_managed(const c10::OperatorHandle& op, const std::vector<c10::IValue>& stack) {
+  Found f;
+  const auto& args = op.schema().arguments();
+  const size_t n = std::min(args.size(), stack.size());
+  std::lock_guard<std::mutex> lock(registry().mu);
+  if (registry().entries.empty()) return f;
+  for (size_t k = 0; k < n; ++k) {
+    const c10::IValue& v = stack[stack.size() - n + k];
+    const bool writes = args[k].alias_info() != nullptr && args[k].alias_info()->isWrite();
+    if (v.isTensor()) {
+      add_id(v.toTensor(), writes, f, op);
+    } else if (v.isTensorList()) {
+      for (const at::Tensor& t : v.toTensorList()) add_id(t, writes, f, op);
+    } else if (v.isList()) {
+      for (const c10::IValue& e : v.toListRef()) {
+        if (e.isTensor()) add_id(e.toTensor(), writes, f, op);
+      }
+    }
+  }
+  return f;
 }
 
 // See Note [Intercepting operators at the dispatcher].
 void hook_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
-  OpHook* hook = g_active.load(std::memory_order_acquire);
-  std::vector<int64_t> ids;
-  if (hook != nullptr) ids = hook->managed_arguments(op, *stack);
-  const bool observe = hook != nullptr && (!ids.empty() || hook->observer().observes_all_ops());
-  if (observe) hook->observer().before_op(op, ids);
-  {
+  Found found = find_managed(op, *stack);
+  OpHook* scoped = c10::impl::tls_is_dispatch_key_included(kHookKey) ? g_scoped.load(std::memory_order_acquire)
+                                                                      : nullptr;
+  OpHook* hook = found.hook;
+  if (hook == nullptr && scoped != nullptr && scoped->observer().observes_all_ops()) hook = scoped;
+  if (hook == nullptr) {
     c10::impl::ExcludeDispatchKeyGuard exclude(kHookKey);
     op.callBoxed(stack);
+    return;
   }
-  if (observe) hook->observer().after_op(op, ids);
+  OpCall call{op, std::move(found.ids), std::move(found.written), hook == scoped, false};
+  hook->observer().before_op(call);
+  try {
+    c10::impl::ExcludeDispatchKeyGuard exclude(kHookKey);
+    op.callBoxed(stack);
+  } catch (...) {
+    call.failed = true;
+    try {
+      hook->observer().after_op(call);
+    } catch (const std::exception& e) {  // the operator's own error is the one reported
+      STRATA_LOG(kWarn, "after the failed operator {}: {}", op.schema().name(), e.what());
+    }
+    throw;
+  }
+  hook->observer().after_op(call);
 }
 
 void register_fallback_once() {
@@ -52,53 +116,76 @@ OpHook::OpHook(OpObserver& observer) : observer_(observer) { register_fallback_o
 
 OpHook::~OpHook() {
   OpHook* self = this;
-  g_active.compare_exchange_strong(self, nullptr);
+  g_scoped.compare_exchange_strong(self, nullptr);
+  std::vector<int64_t> ids;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& [id, entry] : tracked_) ids.push_back(id);
+  }
+  for (int64_t id : ids) untrack(id);
 }
+
+void OpHook::mark(const at::Tensor& t) {
+  c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  impl->*KeySetAccess::member() = (impl->*KeySetAccess::member()).add(kHookKey);
+}
+
+void OpHook::unmark(const at::Tensor& t) {
+  c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  impl->*KeySetAccess::member() = (impl->*KeySetAccess::member()).remove(kHookKey);
+}
+
+OpHook::Bypass OpHook::bypass() { return Bypass(kHookKey); }
 
 void OpHook::track(const at::Tensor& t, int64_t id) {
   STRATA_CHECK(t.defined() && t.has_storage(), "only dense tensors with storage can be managed");
+  const c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
+  {
+    std::lock_guard<std::mutex> lock(registry().mu);
+    const auto it = registry().entries.find(storage);
+    STRATA_CHECK(it == registry().entries.end() || it->second.first == this,
+                 "this tensor is already managed by another engine; attach a module to one engine at a time");
+    registry().entries[storage] = {this, id};
+  }
   std::lock_guard<std::mutex> lock(mu_);
-  ids_[t.storage().unsafeGetStorageImpl()] = id;
+  tracked_[id] = {c10::intrusive_ptr<c10::TensorImpl>::reclaim_copy(t.unsafeGetTensorImpl()), storage};
+  mark(t);
 }
 
-void OpHook::untrack(const at::Tensor& t) {
-  if (!t.defined() || !t.has_storage()) return;
+void OpHook::untrack(int64_t id) {
   std::lock_guard<std::mutex> lock(mu_);
-  ids_.erase(t.storage().unsafeGetStorageImpl());
+  const auto it = tracked_.find(id);
+  if (it == tracked_.end()) return;
+  {
+    std::lock_guard<std::mutex> reg(registry().mu);
+    registry().entries.erase(it->second.second);
+  }
+  c10::TensorImpl* impl = it->second.first.get();
+  impl->*KeySetAccess::member() = (impl->*KeySetAccess::member()).remove(kHookKey);
+  tracked_.erase(it);
 }
 
 size_t OpHook::tracked() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return ids_.size();
+  return tracked_.size();
 }
 
-std::vector<int64_t> OpHook::managed_arguments(const c10::OperatorHandle& op,
-                                               const std::vector<c10::IValue>& stack) const {
-  const size_t n = op.schema().arguments().size();
-  std::vector<int64_t> ids;
-  std::lock_guard<std::mutex> lock(mu_);
-  if (ids_.empty()) return ids;
-  for (size_t i = stack.size() - std::min(n, stack.size()); i < stack.size(); ++i) {
-    const c10::IValue& v = stack[i];
-    if (v.isTensor()) {
-      add_id(v.toTensor(), ids, ids_);
-    } else if (v.isTensorList()) {
-      for (const at::Tensor& t : v.toTensorList()) add_id(t, ids, ids_);
-    } else if (v.isList()) {
-      for (const c10::IValue& e : v.toListRef()) {
-        if (e.isTensor()) add_id(e.toTensor(), ids, ids_);
-      }
-    }
-  }
-  return ids;
+void OpHook::managed_arguments(const c10::OperatorHandle& op, const std::vector<c10::IValue>& stack,
+                               std::vector<int64_t>& ids, std::vector<int64_t>& written) const {
+  Found f = find_managed(op, stack);
+  ids.clear();
+  written.clear();
+  if (f.hook != this) return;
+  ids = std::move(f.ids);
+  written = std::move(f.written);
 }
 
-OpHook::Scope::Scope(OpHook& hook) : include_(kHookKey), previous_(g_active.load()) {
+OpHook::Scope::Scope(OpHook& hook) : include_(kHookKey), previous_(g_scoped.load()) {
   STRATA_CHECK(previous_ == nullptr || previous_ == &hook, "another OpHook is active in this process; "
                "one engine at a time can intercept operators");
-  g_active.store(&hook);
+  g_scoped.store(&hook);
 }
 
-OpHook::Scope::~Scope() { g_active.store(previous_); }
+OpHook::Scope::~Scope() { g_scoped.store(previous_); }
 
 }  // namespace strata::parallel

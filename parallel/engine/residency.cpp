@@ -39,7 +39,9 @@ void Residency::on_placed(const memory::Chunk& c, std::optional<Tier> tier, void
   for (size_t i : it->second) {
     ManagedParam& p = ctx_.params[i];
     if (!p.storage) continue;  // still being attached
-    void* slot = tier == Tier::kDevice ? static_cast<char*>(ptr) + p.offset * ctx_.elem_size() : nullptr;
+    // Note [Parameters between steps]: on the emulated device the host tier is addressable too.
+    const bool addressable = tier == Tier::kDevice || (tier == Tier::kHost && ctx_.device.is_cpu());
+    void* slot = addressable ? static_cast<char*>(ptr) + p.offset * ctx_.elem_size() : nullptr;
     p.storage->set_data_ptr_noswap(c10::DataPtr(slot, ctx_.device));
   }
 }
@@ -77,6 +79,18 @@ void Residency::end_step() {
     replans_ += 1;
   }
   planner_->set_cursor(static_cast<int64_t>(planner_->plan_size()));  // the optimizer step: next step's order
+}
+
+void Residency::abort_step() {
+  in_step_ = false;
+  EngineContext::settle(prefetches_);
+  planning_ = true;
+  diverged_ = false;
+  plan_rec_.clear();
+  plan_nm_rec_.clear();
+  plan_live_rec_.clear();
+  if (planner_ != nullptr) planner_->clear_plan();
+  leave_plan();
 }
 
 void Residency::leave_plan() {

@@ -65,6 +65,9 @@ class Residency {
   /// it records a new one next time.
   void end_step();
   bool in_step() const { return in_step_; }
+  /// A step that threw (Note [A train_step that throws]): waits for
+  /// prefetches and records the operator sequence again next step.
+  void abort_step();
   /// Operators outside a train_step (Engine::run): not the planned sequence, LRU.
   void leave_plan();
 

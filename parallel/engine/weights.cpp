@@ -22,6 +22,7 @@ using checkpoint::SafetensorsWriter;
 // Collective when data parallel: rank 0 writes (Note [Checkpoints across ranks]).
 void Engine::export_weights(const std::string& path) {
   Impl& impl = *impl_;
+  Impl::Busy hold(impl);
   EngineContext& s = impl.ctx;
   STRATA_CHECK(impl.poisoned.empty(), impl.poisoned);
   const bool lead = s.rank == 0;

@@ -35,6 +35,8 @@ class OperatorGathers {
 
   /// A train_step's forward and backward begin: the operator sequence is followed (or recorded).
   void begin_step();
+  /// A step that threw: the sequence it saw is incomplete; record it again next step.
+  void abort_step() { recording_ = true; rec_.clear(); }
   /// After backward: a recorded sequence becomes the plan; a step that
   /// departed from it records again next time.
   void end_step();

@@ -78,6 +78,18 @@ void GradientReducer::settle_done() {
   }
 }
 
+void GradientReducer::abandon() noexcept {
+  std::lock_guard<std::mutex> lock(mu_);
+  active_ = false;
+  for (size_t pos = 0; pos < reductions_.size(); ++pos) {
+    try {
+      settle(pos);
+    } catch (const std::exception& e) {
+      STRATA_LOG(kDebug, "a gradient reduction of the failed step: {}", e.what());
+    }
+  }
+}
+
 void GradientReducer::finish() {
   {
     std::lock_guard<std::mutex> lock(mu_);

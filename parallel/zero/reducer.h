@@ -42,6 +42,10 @@ class GradientReducer {
   /// After backward: the remaining families and the "has a gradient" flags,
   /// then every reduction waited for. The first failure is rethrown.
   void finish();
+  /// A backward that threw (Note [A train_step that throws]): stops
+  /// counting arrivals and waits for the reductions in flight, whatever their
+  /// outcome, so no collective still reads a gradient chunk. Never throws.
+  void abandon() noexcept;
 
  private:
   void issue(size_t pos);

@@ -8,6 +8,7 @@
 #include <map>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "strata/core/error.h"
@@ -20,16 +21,18 @@ struct Recorder : OpObserver {
     std::string op;
     std::vector<int64_t> ids;
     bool before;
+    bool in_scope;
+    std::vector<int64_t> written;
   };
   std::vector<Event> events;
   int depth = 0;
   int max_depth = 0;
-  void before_op(const c10::OperatorHandle& op, const std::vector<int64_t>& ids) override {
-    events.push_back({op.schema().name(), ids, true});
+  void before_op(const OpCall& c) override {
+    events.push_back({c.op.schema().name(), c.ids, true, c.in_scope, c.written});
     max_depth = std::max(max_depth, ++depth);
   }
-  void after_op(const c10::OperatorHandle& op, const std::vector<int64_t>& ids) override {
-    events.push_back({op.schema().name(), ids, false});
+  void after_op(const OpCall& c) override {
+    events.push_back({c.op.schema().name(), c.ids, false, c.in_scope, c.written});
     --depth;
   }
   std::set<int64_t> ids_seen(size_t from = 0) const {
@@ -126,13 +129,13 @@ TEST(OpHook, SeesForwardBackwardAndCustomArithmeticWithoutChangingResults) {
   }
 }
 
-TEST(OpHook, ViewsListsAndDirectCallsAreSeenOnlyInsideAScope) {
+TEST(OpHook, ViewsListsAndWritesAreSeenInAndOutOfScopeOnEveryThread) {
   Recorder rec;
   OpHook hook(rec);
   torch::Tensor w = torch::randn({3, 3});
   hook.track(w, 42);
   torch::Tensor other = torch::randn({3, 3});
-  other.mm(other);  // outside any scope: not seen
+  other.mm(other);  // no managed tensor, no scope: not seen
   EXPECT_TRUE(rec.events.empty());
   {
     OpHook::Scope scope(hook);
@@ -145,10 +148,40 @@ TEST(OpHook, ViewsListsAndDirectCallsAreSeenOnlyInsideAScope) {
   EXPECT_TRUE(rec.saw("aten::addmm", 42));
   EXPECT_TRUE(rec.saw("aten::cat", 42));
   EXPECT_TRUE(rec.saw("aten::add_", 42));
-  for (const auto& e : rec.events) EXPECT_NE(e.op, "aten::mm") << "ops on unmanaged tensors are not reported";
+  for (const auto& e : rec.events) {
+    EXPECT_NE(e.op, "aten::mm") << "ops on unmanaged tensors are not reported";
+    EXPECT_TRUE(e.in_scope) << e.op;
+    EXPECT_EQ(e.written, e.op == "aten::add_" ? std::vector<int64_t>{42} : std::vector<int64_t>{}) << e.op;
+  }
+  // Outside the scope, on this thread and another, a managed tensor still passes, marked out of scope.
   const size_t seen = rec.events.size();
-  w.add_(1.0);  // the scope ended
-  EXPECT_EQ(rec.events.size(), seen);
+  {
+    torch::NoGradGuard no_grad;
+    w.mul_(2.0);
+  }
+  std::thread([&] { (void)w.sum(); }).join();
+  ASSERT_EQ(rec.events.size(), seen + 4);
+  EXPECT_EQ(rec.events[seen].op, "aten::mul_");
+  EXPECT_FALSE(rec.events[seen].in_scope);
+  EXPECT_EQ(rec.events[seen].written, std::vector<int64_t>{42});
+  EXPECT_EQ(rec.events[seen + 2].op, "aten::sum");
+  EXPECT_TRUE(rec.events[seen + 2].written.empty());
+  // Untracked: the key is gone and nothing more is seen.
+  hook.untrack(42);
+  (void)w.sum();
+  EXPECT_EQ(rec.events.size(), seen + 4);
+}
+
+TEST(OpHook, AnOperatorThatThrowsIsStillClosed) {
+  Recorder rec;
+  OpHook hook(rec);
+  torch::Tensor w = torch::randn({3, 3});
+  hook.track(w, 7);
+  EXPECT_ANY_THROW(w.mm(torch::randn({4, 4})));  // a shape error inside the operator
+  ASSERT_EQ(rec.events.size(), 2u);
+  EXPECT_TRUE(rec.events[0].before);
+  EXPECT_FALSE(rec.events[1].before);
+  EXPECT_EQ(rec.depth, 0);
 }
 
 TEST(OpHook, OneActiveHookPerProcess) {

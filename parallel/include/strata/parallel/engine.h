@@ -16,6 +16,13 @@
 // tier with global grad-norm clipping, streaming optimizer state that lives on
 // NVMe through a double-buffered pipeline (Note [The step pipeline]).
 //
+// Between steps the module stays a LibTorch module (Note [Parameters between
+// steps] in parallel/engine/param_access.h): operators on its parameters, on
+// any thread, are served from the chunks, in-place writes under NoGradGuard
+// land in the master weights, and torch::load(module) is taken in. An
+// operator on a parameter from another thread while train_step or run runs
+// is an error naming the parameter.
+//
 // Mixed precision (precision = bf16 or fp16): parameters, gradients, floating
 // buffers and frozen parameters are held in the compute precision, as
 // module->to(dtype) would; the fp32 master weights live in the master chunk
@@ -66,6 +73,21 @@ class Engine {
   /// Runs `loss_fn` (forward) and backward (of the scaled loss) under the
   /// operator hook, then the optimizer step on accumulation boundaries.
   StepResult train_step(const std::function<torch::Tensor()>& loss_fn);
+  /// The same, calling `before_step` on accumulation boundaries between the
+  /// gradient reductions and the optimizer step: there grad() and set_grad()
+  /// see the gradients the step will apply (logging, custom clipping).
+  StepResult train_step(const std::function<torch::Tensor()>& loss_fn, const std::function<void()>& before_step);
+  /// In train_step's before_step callback: the fp32 gradient of trainable
+  /// parameter `param` (the tensor itself, or its name) that the optimizer
+  /// step will apply, unscaled and averaged over micro-steps and ranks,
+  /// before clipping; undefined when no rank used the parameter this step.
+  /// At ZeRO stages 2-3 it is collective: every rank asks for the same
+  /// parameters in the same order.
+  torch::Tensor grad(const torch::Tensor& param);
+  torch::Tensor grad(const std::string& name);
+  /// In before_step: replaces the gradient the step applies to `param`
+  /// (same shape; each rank writes the part it updates).
+  void set_grad(const torch::Tensor& param, const torch::Tensor& value);
   /// Runs `fn` (e.g. evaluation) under the operator hook, without gradients.
   torch::Tensor run(const std::function<torch::Tensor()>& fn);
   void zero_grad();
