@@ -337,12 +337,11 @@ class GlooCommunicator final : public Communicator {
         op->fn(next_tag_++);
         op->done.set_value();
       } catch (const std::exception& e) {
-        broken_ = fmt::format("the communicator broke at an earlier {} on rank {} of {}", op->what, rank_, size_);
-        op->done.set_exception(std::make_exception_ptr(
-            Error(fmt::format("{} on rank {} of {} failed or timed out (timeout {} ms): {}; a peer has died, or is "
-                              "stuck before issuing the same collective",
-                              op->what, rank_, size_, options_.timeout.count(), e.what()),
-                  __FILE__, __LINE__)));
+        const std::string failed = fmt::format("{} on rank {} of {} failed or timed out (timeout {} ms): {}; a peer "
+                                               "has died, or is stuck before issuing the same collective",
+                                               op->what, rank_, size_, options_.timeout.count(), e.what());
+        broken_ = "the communicator broke at an earlier " + failed;
+        op->done.set_exception(std::make_exception_ptr(Error(failed, __FILE__, __LINE__)));
       }
     }
   }
@@ -385,6 +384,11 @@ Rendezvous Rendezvous::from_env() {
 
 std::unique_ptr<Communicator> make_gloo_communicator(const Rendezvous& r, CommunicatorOptions options) {
   if (const char* host = std::getenv("STRATA_COMM_HOST"); host != nullptr && *host != '\0') options.bind_host = host;
+  if (std::getenv("STRATA_COMM_TIMEOUT") != nullptr) {
+    const int seconds = env_int("STRATA_COMM_TIMEOUT", 300);
+    STRATA_CHECK(seconds > 0, "STRATA_COMM_TIMEOUT must be a number of seconds above 0, got ", seconds);
+    options.timeout = std::chrono::seconds(seconds);
+  }
   return GlooCommunicator::connect(r, options);
 }
 

@@ -26,6 +26,14 @@
 //                   like one process; stage 3 must fail on every rank with a
 //                   clear error, never pair mismatched gathers (Note [Gathers
 //                   checked by chunk])
+//   --between       after step 2 every rank reads its parameters (compared
+//                   with the reference) and clamps them under NoGradGuard, as
+//                   the reference does: training goes on from the clamped
+//                   values at every stage (at stage 3 the reads are collective)
+//   --throw-at-step K  rank 1's loss function throws at step K: its
+//                   train_step rethrows it and its engine refuses further
+//                   steps; the other ranks fail when their collective times
+//                   out (STRATA_COMM_TIMEOUT)
 //   --save-fails    at stage 3, rank 0 cannot write the checkpoint (nor the
 //                   weights): every rank's save() (export_weights()) fails,
 //                   and training goes on in step on every rank
@@ -34,6 +42,7 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <stdexcept>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -71,6 +80,8 @@ struct Options {
   int die_at_step = -1;
   bool mismatch = false;  // rank 1 has another device budget: attach must refuse on every rank
   bool branches = false;  // rank 0 alone takes the side branch, at every stage
+  bool between = false;   // reads and writes between steps
+  int throw_at_step = -1;
 };
 
 struct Outcome {
@@ -134,13 +145,43 @@ Outcome train(const std::shared_ptr<Communicator>& comm, const Options& opt) {
         }
         (ref / (world * opt.accumulation)).backward();
         const torch::Tensor xr = x.slice(0, rank * batch, (rank + 1) * batch), yr = y.slice(0, rank * batch, (rank + 1) * batch);
-        engine->train_step([&] {
+        const auto loss_fn = [&] {
           torch::Tensor loss = torch::mse_loss(model->forward(xr, uses_side(rank)), yr);
           if (s == opt.die_at_step && rank == 1) std::_Exit(3);  // after forward, before backward's collectives
+          if (s == opt.throw_at_step && rank == 1) throw std::runtime_error("user code failed at step " + std::to_string(s));
           return loss;
-        });
+        };
+        if (s == opt.throw_at_step && rank == 1) {
+          try {
+            engine->train_step(loss_fn);
+          } catch (const std::exception& e) {
+            std::fprintf(stderr, "rank 1: train_step failed: %s\n", e.what());
+          }
+          try {
+            engine->train_step(loss_fn);
+          } catch (const std::exception& e) {
+            std::fprintf(stderr, "rank 1: the next train_step refused: %s\n", e.what());
+          }
+          std::fflush(stderr);
+          ::sleep(60);  // the other ranks time out meanwhile; the launcher stops this one
+          std::_Exit(1);
+        }
+        engine->train_step(loss_fn);
       }
       adamw.step();
+      if (opt.between && s == 2) {
+        // Between steps: reads give the reference's values; a clamp lands in the master weights.
+        auto pr = reference->named_parameters();
+        for (const auto& item : model->named_parameters()) {
+          const double got = item.value().abs().sum().item<double>();
+          const double want = pr[item.key()].abs().sum().item<double>();
+          STRATA_CHECK(std::fabs(got - want) <= 1e-5 * want, "rank ", rank, ": ", item.key(), " reads ", got,
+                       " between steps, the reference ", want);
+        }
+        torch::NoGradGuard no_grad;
+        for (auto& p : reference->parameters()) p.clamp_(-0.05, 0.05);
+        for (auto& p : model->parameters()) p.clamp_(-0.05, 0.05);
+      }
     }
     // Attach broadcasts every parameter; each step reduces every family and
     // the flags; stages 1-2 gather each family's parameters after the step;
@@ -308,6 +349,8 @@ int main(int argc, char** argv) {
     if (a == "--fp16") fp16 = true;
     if (a == "--mismatch") opt.mismatch = true;
     if (a == "--branches") opt.branches = true;
+    if (a == "--between") opt.between = true;
+    if (a == "--throw-at-step" && i + 1 < argc) opt.throw_at_step = std::atoi(argv[++i]);
     if (a == "--save-fails") save_fails = true;
     if (a == "--die-at-step" && i + 1 < argc) opt.die_at_step = std::atoi(argv[++i]);
     if (a == "--accumulation" && i + 1 < argc) opt.accumulation = std::atoi(argv[++i]);
