@@ -83,19 +83,37 @@ void import_weights(torch::nn::Module& module, const std::string& path) {
   std::vector<std::string> missing;
   std::unordered_set<std::string> used;
   torch::NoGradGuard no_grad;
+  // Tied parameters (one tensor under several names) are written once, under
+  // the first name (export_weights, as Hugging Face's safetensors export
+  // does): any one of a tensor's names in the file gives it its values.
+  std::vector<std::pair<torch::Tensor, std::vector<std::string>>> tensors;
+  std::unordered_map<const c10::TensorImpl*, size_t> index;
   for (const auto& item : module.named_parameters(/*recurse=*/true)) {
-    const checkpoint::TensorEntry* t = r.header().find(item.key());
+    const auto [it, fresh] = index.emplace(item.value().unsafeGetTensorImpl(), tensors.size());
+    if (fresh) tensors.push_back({item.value(), {}});
+    tensors[it->second].second.push_back(item.key());
+  }
+  for (const auto& [dst, names] : tensors) {
+    const checkpoint::TensorEntry* t = nullptr;
+    for (const std::string& name : names) {
+      if ((t = r.header().find(name)) != nullptr) {
+        used.insert(name);
+        break;
+      }
+    }
     if (t == nullptr) {
-      missing.push_back(item.key());
+      missing.push_back(names.front());
       continue;
     }
-    used.insert(item.key());
-    torch::Tensor dst = item.value();
-    STRATA_CHECK(t->shape == shape_of(dst), path, ": tensor ", item.key(), " is ", shape_str(t->shape),
+    for (const std::string& name : names) {
+      if (r.header().find(name) != nullptr) used.insert(name);  // the other names of a tie are not "extra"
+    }
+    STRATA_CHECK(t->shape == shape_of(dst), path, ": tensor ", t->name, " is ", shape_str(t->shape),
                  " but the module's parameter is ", shape_str(shape_of(dst)));
     torch::Tensor src = torch::empty(t->shape, torch::TensorOptions().dtype(torch_dtype(t->dtype)));
     r.read(*t, 0, src.data_ptr(), t->end - t->begin);
-    dst.copy_(src);
+    torch::Tensor target = dst;  // a copy of the handle: copy_ writes the shared tensor
+    target.copy_(src);
   }
   if (!missing.empty()) {
     std::string list;

@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <map>
 #include <random>
 #include <sstream>
 #include <thread>
@@ -445,6 +446,90 @@ TEST(Checkpoint, ResumesBuffersAndFrozenParametersBitForBit) {
   EXPECT_NE(e.find("buffer or frozen parameter bn.running_mean is [32] there but [33] in the model"),
             std::string::npos) << e;
   std::filesystem::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace strata::parallel
+
+namespace strata::parallel {
+namespace {
+
+// The embedding and the output projection share one weight, registered under
+// two names (named_parameters() lists both), as in GPT-2.
+struct Tied : torch::nn::Module {
+  torch::nn::Embedding emb{nullptr};
+  torch::nn::Linear mid{nullptr};
+  torch::Tensor head_weight;
+  explicit Tied(uint64_t seed) {
+    torch::manual_seed(seed);
+    emb = register_module("emb", torch::nn::Embedding(50, 16));
+    mid = register_module("mid", torch::nn::Linear(16, 16));
+    head_weight = register_parameter("head_weight", emb->weight);
+  }
+  torch::Tensor forward(const torch::Tensor& tokens) {
+    return torch::nn::functional::linear(torch::relu(mid->forward(emb->forward(tokens))), head_weight);
+  }
+};
+
+TEST(Checkpoint, TiedWeightsSurviveExportImportAndSaveLoad) {
+  const std::string path = temp_path("tied", ".safetensors"), dir = temp_path("tied-checkpoint");
+  EngineOptions o;
+  o.budgets = {1 << 14, 1 << 20, 0};
+  o.chunk_elems = 512;
+  std::vector<torch::Tensor> tokens, targets;
+  torch::manual_seed(5);
+  for (int s = 0; s < 6; ++s) {
+    tokens.push_back(torch::randint(0, 50, {4, 6}));
+    targets.push_back(torch::randint(0, 50, {24}));
+  }
+  const auto train = [&](Tied& m, Engine& e, int from, int to) {
+    std::vector<double> losses;
+    for (int s = from; s < to; ++s) {
+      losses.push_back(e.train_step([&] { return torch::nn::functional::cross_entropy(m.forward(tokens[s]).view({24, 50}), targets[s]); }).loss);
+    }
+    return losses;
+  };
+  const auto tied = [](Tied& m) {
+    const auto named = m.named_parameters();
+    return named.size() == 4 && named["head_weight"].unsafeGetTensorImpl() == named["emb.weight"].unsafeGetTensorImpl();
+  };
+  auto a = std::make_shared<Tied>(1);
+  std::map<std::string, torch::Tensor> at_save;
+  std::vector<double> continued;
+  {
+    auto engine = attach(*a, AdamWConfig{}, o);
+    EXPECT_EQ(engine->managed_parameters(), 50 * 16 + 16 * 16 + 16) << "the tied weight is managed once";
+    train(*a, *engine, 0, 3);
+    engine->export_weights(path);
+    engine->save(dir);
+    for (const auto& item : a->named_parameters()) at_save[item.key()] = item.value().clone();  // read between steps
+    continued = train(*a, *engine, 3, 6);
+  }
+  EXPECT_TRUE(tied(*a));
+
+  auto imported = std::make_shared<Tied>(2);
+  EngineOptions io = o;
+  io.init_weights = path;  // the file holds the tied weight once, under emb.weight
+  { auto engine = attach(*imported, AdamWConfig{}, io); }
+  EXPECT_TRUE(tied(*imported));
+  for (const auto& item : imported->named_parameters()) {
+    EXPECT_TRUE(torch::equal(item.value(), at_save.at(item.key()))) << "imported " << item.key();
+  }
+
+  auto resumed = std::make_shared<Tied>(3);
+  std::vector<double> after_load;
+  {
+    auto engine = attach(*resumed, AdamWConfig{}, o);
+    engine->load(dir);
+    after_load = train(*resumed, *engine, 3, 6);
+  }
+  EXPECT_TRUE(tied(*resumed));
+  EXPECT_EQ(after_load, continued);
+  for (const auto& item : a->named_parameters()) {
+    EXPECT_TRUE(torch::equal(item.value(), resumed->named_parameters()[item.key()])) << "resumed " << item.key();
+  }
+  fs::remove(path);
+  fs::remove_all(dir);
 }
 
 }  // namespace
