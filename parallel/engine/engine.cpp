@@ -108,7 +108,10 @@ void Engine::Impl::after_outside(const OpCall& call) {
   }
   residency.unpin_operator(call.ids);
   try {
-    if (op_gathers) op_gathers->release_all();
+    if (op_gathers) {
+      op_gathers->finish_rounds();
+      op_gathers->release_all();
+    }
   } catch (...) {
     if (!failure) failure = std::current_exception();
   }
@@ -171,6 +174,7 @@ StepResult Engine::Impl::train_step(const std::function<torch::Tensor()>& loss_f
     residency.end_step();
     if (op_gathers) {
       op_gathers->end_step();
+      op_gathers->finish_rounds();  // Note [Gathers agreed in rounds]: serve the others until all are done
       op_gathers->release_all();
     }
     if (reducer && boundary) reducer->finish();
@@ -253,13 +257,17 @@ torch::Tensor Engine::Impl::run(const std::function<torch::Tensor()>& fn) {
   } catch (...) {
     if (op_gathers) {
       try {
+        op_gathers->finish_rounds();  // the other ranks finish their evaluation
         op_gathers->release_all();
       } catch (...) {  // the function's error is the one reported
       }
     }
     throw;
   }
-  if (op_gathers) op_gathers->release_all();
+  if (op_gathers) {
+    op_gathers->finish_rounds();
+    op_gathers->release_all();
+  }
   return out;
 }
 

@@ -9,6 +9,9 @@ OperatorGathers::OperatorGathers(EngineContext& ctx) : ctx_(ctx) {
   std::vector<int> all(static_cast<size_t>(ctx.world()));
   for (int r = 0; r < ctx.world(); ++r) all[static_cast<size_t>(r)] = r;
   comm_ = ctx.comm->split(all, "zero3-parameters");
+  STRATA_CHECK(ctx.mgr->num_chunks() < (size_t{1} << 24), "ZeRO stage 3 names chunks as fp32 values in its "
+               "gather rounds, exactly below 2^24 chunks; this model has ", ctx.mgr->num_chunks(),
+               ": raise chunk_elems");
 }
 
 void OperatorGathers::begin_step() {
@@ -71,14 +74,61 @@ void OperatorGathers::before_operator(const std::vector<ChunkId>& chunks, bool i
     mgr.release(c);
     gathered_.erase(gathered_.begin() + static_cast<std::ptrdiff_t>(i));
   }
+  std::vector<ChunkId> missing;
   for (ChunkId c : window) {
     const bool held = std::any_of(gathered_.begin(), gathered_.end(), [&](const auto& g) { return g.first == c; });
-    if (held) continue;
-    start(c);
+    if (!held) missing.push_back(c);
+  }
+  for (size_t from = 0; from < missing.size(); from += kRoundChunks) {
+    const size_t to = std::min(missing.size(), from + kRoundChunks);
+    round(std::vector<ChunkId>(missing.begin() + static_cast<std::ptrdiff_t>(from),
+                               missing.begin() + static_cast<std::ptrdiff_t>(to)),
+          /*done=*/false);
+  }
+  for (ChunkId c : missing) {
     if (std::find(chunks.begin(), chunks.end(), c) == chunks.end()) gathers_ahead_ += 1;
   }
   for (auto& [c, g] : gathered_) {
     if (std::find(chunks.begin(), chunks.end(), c) != chunks.end()) finish(g, c);
+  }
+}
+
+// See Note [Gathers agreed in rounds].
+bool OperatorGathers::round(const std::vector<ChunkId>& want, bool done) {
+  const size_t per = kRoundChunks + 1;
+  std::vector<float> mine(per, -1.0f), all(per * static_cast<size_t>(ctx_.world()));
+  mine[0] = done ? 1.0f : 0.0f;
+  for (size_t k = 0; k < want.size() && k < static_cast<size_t>(kRoundChunks); ++k) {
+    mine[k + 1] = static_cast<float>(want[k]);  // chunk ids are far below 2^24: exact in fp32
+  }
+  comm_->all_gather(mine.data(), all.data(), per, DType::kFloat32)->wait();
+  rounds_ += 1;
+  bool all_done = true;
+  std::vector<ChunkId> agreed;  // the union, by rank then as listed: the same on every rank
+  for (int r = 0; r < ctx_.world(); ++r) {
+    const float* msg = all.data() + static_cast<size_t>(r) * per;
+    all_done = all_done && msg[0] == 1.0f;
+    for (size_t k = 1; k < per && msg[k] >= 0.0f; ++k) {
+      const auto c = static_cast<ChunkId>(msg[k]);
+      STRATA_CHECK(msg[k] < static_cast<float>(ctx_.mgr->num_chunks()) &&
+                       ctx_.mgr->chunk(c).role() == memory::ChunkRole::kParam,
+                   "ZeRO stage 3: rank ", r, " asked for chunk ", c,
+                   ", which is no parameter chunk here: the ranks do not hold the same model");
+      if (std::find(agreed.begin(), agreed.end(), c) == agreed.end()) agreed.push_back(c);
+    }
+  }
+  for (ChunkId c : agreed) {
+    if (std::find(want.begin(), want.end(), c) != want.end()) {
+      start(c);
+    } else {
+      serve(c);
+    }
+  }
+  return all_done;
+}
+
+void OperatorGathers::finish_rounds() {
+  while (!round({}, /*done=*/true)) {
   }
 }
 
@@ -99,13 +149,9 @@ void OperatorGathers::start(ChunkId c) {
   Gather g;
   g.shard = shard;
   try {
-    g.ids = std::make_shared<std::vector<float>>(static_cast<size_t>(ctx_.world()) + 1);
-    (*g.ids)[0] = static_cast<float>(c);
-    g.ids_work = comm_->all_gather(g.ids->data(), g.ids->data() + 1, 1, DType::kFloat32);
     g.work = comm_->all_gather(mgr.data(shard), mgr.data(c), static_cast<size_t>(mgr.chunk(shard).capacity_elems()),
                                ctx_.options.precision);
   } catch (...) {
-    if (g.ids_work) g.ids_work->wait();
     ctx_.unpin(c, ctx_.all_slots(c));
     ctx_.unpin(shard, {0});
     throw;
@@ -114,48 +160,33 @@ void OperatorGathers::start(ChunkId c) {
   gathers_ += 1;
 }
 
+// Another rank wants chunk `c`, this one does not (now): it sends its shard
+// and takes the others' into a transient host buffer, outside the budgets
+// (it lives for one collective).
+void OperatorGathers::serve(ChunkId c) {
+  memory::ChunkManager& mgr = *ctx_.mgr;
+  const ChunkId shard = *mgr.family(mgr.chunk(c).family()).param_shard;
+  ctx_.with_on_host({shard}, [&] {
+    const size_t elems = static_cast<size_t>(mgr.chunk(shard).capacity_elems());
+    std::vector<char> scratch(elems * static_cast<size_t>(ctx_.world()) * dtype_size(ctx_.options.precision));
+    comm_->all_gather(mgr.data(shard), scratch.data(), elems, ctx_.options.precision)->wait();
+  });
+  served_ += 1;
+}
+
 void OperatorGathers::finish(Gather& g, ChunkId c) {
   if (!g.work) return;
   WorkHandle work = std::move(g.work);
   g.work = nullptr;
   std::exception_ptr failure;
   try {
-    g.ids_work->wait();
     work->wait();
-    check_paired(g);
   } catch (...) {
     failure = std::current_exception();
   }
   ctx_.unpin(c, ctx_.all_slots(c));
   ctx_.unpin(g.shard, {0});
   if (failure) std::rethrow_exception(failure);
-}
-
-// See Note [Gathers checked by chunk].
-void OperatorGathers::check_paired(const Gather& g) const {
-  const std::vector<float>& ids = *g.ids;
-  int other = -1;  // the first rank that gathered another chunk than rank 0: the same on every rank
-  for (int r = 1; r < ctx_.world() && other < 0; ++r) {
-    if (ids[static_cast<size_t>(r) + 1] != ids[1]) other = r;
-  }
-  if (other < 0) return;
-  const auto describe = [&](int r) {
-    const auto chunk = static_cast<ChunkId>(ids[static_cast<size_t>(r) + 1]);
-    std::string names;
-    const auto it = ctx_.params_of_chunk.find(chunk);
-    if (it != ctx_.params_of_chunk.end()) {
-      for (size_t i = 0; i < it->second.size() && i < 4; ++i) {
-        names += (i ? ", " : "") + ctx_.params[it->second[i]].name;
-      }
-      if (it->second.size() > 4) names += ", ...";
-    }
-    return "rank " + std::to_string(r) + " gathered parameter chunk " + std::to_string(chunk) + " (" + names + ")";
-  };
-  STRATA_FAIL("ZeRO stage 3: the ranks' parameter gathers no longer pair: ", describe(0), " while ", describe(other),
-              ". The ranks ran different operators on parameters (a data-dependent branch such as MoE routing, or "
-              "a layer some ranks skip); stage 3 needs every rank to run the same operators on parameters in the "
-              "same order. Train this model at zero_stage 2 (optimizer state and gradients sharded), or run every "
-              "branch on every rank.");
 }
 
 void OperatorGathers::release_all() {

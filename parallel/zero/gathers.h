@@ -15,19 +15,29 @@
 
 namespace strata::parallel {
 
-// Note [Gathers checked by chunk]
-// Stage-3 gathers pair across ranks by order: the k-th gather of every rank
+// Note [Gathers agreed in rounds]
+// Collectives pair across ranks by order: the k-th all-gather of every rank
 // meets the k-th of every other. Ranks that run different operators on
 // parameters (a data-dependent branch: MoE routing, a layer skipped on some
-// batches) would pair gathers of different chunks and read one another's
-// shards as their own, corrupting parameters with no error. So every data
-// gather is preceded, on the same communicator, by an all-gather of the chunk
-// id each rank gathers; before a gathered chunk is used the ids are compared,
-// and since every rank receives the same ids, every rank finds a mismatch at
-// the same gather and fails with the same error, naming the chunks and their
-// parameters. The check costs one small collective per gather, issued
-// asynchronously with it. Making such models train at stage 3 (an agreed
-// gather schedule across ranks) is not done; stage 2 trains them.
+// batches) need different chunks at different times, so gathers issued
+// straight from each rank's own operators would pair different chunks and
+// read one another's shards as their own: parameters corrupted, no error.
+// So a rank never issues a data gather alone. When an operator's window
+// lacks chunks, the rank enters a round: one small all-gather in which every
+// rank states the chunks it wants now (at most kRoundChunks; more take more
+// rounds), or that it is done for this step. Every rank receives the same
+// lists and gathers the union, in the same order (by rank, then as listed),
+// one all-gather per chunk: into the chunk on the device for a rank that
+// wants it, into a transient host buffer for a rank that only serves it. A
+// rank whose forward and backward ended (or whose evaluation or single
+// operator between steps ended) keeps entering rounds as "done", serving the
+// others, until every rank is done. Rounds are entered only by a rank that
+// wants something or is done, so every round makes progress, and ranks that
+// run the same operators want the same chunks in the same rounds, which
+// costs one small all-gather per round over gathering directly. A rank that
+// stops taking part (an exception, a different number of steps) leaves the
+// others waiting in a round until their communicator times out: an error,
+// never a mismatched pair.
 class OperatorGathers {
  public:
   /// Gathers run on a communicator split from ctx.comm (Note [ZeRO over chunks]).
@@ -41,27 +51,33 @@ class OperatorGathers {
   /// departed from it records again next time.
   void end_step();
   /// Before an operator on parameter chunks `chunks`: releases gathered
-  /// chunks outside the window, issues the gathers the window lacks, and
-  /// waits for this operator's own. `in_step`: inside a train_step's forward
-  /// or backward, where the sequence is planned.
+  /// chunks outside the window, takes part in rounds for those the window
+  /// lacks, and waits for this operator's own. `in_step`: inside a
+  /// train_step's forward or backward, where the sequence is planned.
   void before_operator(const std::vector<ChunkId>& chunks, bool in_step);
-  /// After backward (and evaluation): every gathered chunk is released.
+  /// After this rank's last operator of a step, evaluation or operator
+  /// between steps: serves the other ranks' rounds until every rank is done.
+  void finish_rounds();
+  /// After finish_rounds: every gathered chunk is released.
   void release_all();
 
   int64_t gathers() const { return gathers_; }
   /// Of gathers(), those issued for a later operator than the one about to run.
   int64_t gathers_ahead() const { return gathers_ahead_; }
+  /// Rounds taken part in, and gathers this rank served without wanting the chunk.
+  int64_t rounds() const { return rounds_; }
+  int64_t served() const { return served_; }
+  static constexpr int kRoundChunks = 16;
 
  private:
   struct Gather {
     WorkHandle work;  // null once complete
     ChunkId shard = -1;
-    // Note [Gathers checked by chunk]: [this rank's chunk id, every rank's].
-    WorkHandle ids_work;
-    std::shared_ptr<std::vector<float>> ids;
   };
-  void check_paired(const Gather& g) const;
+  /// One round: `want` (at most kRoundChunks) or done. Returns whether every rank was done.
+  bool round(const std::vector<ChunkId>& want, bool done);
   void start(ChunkId c);
+  void serve(ChunkId c);
   void finish(Gather& g, ChunkId c);
 
   EngineContext& ctx_;
@@ -73,6 +89,8 @@ class OperatorGathers {
   int64_t cursor_ = 0;
   int64_t gathers_ = 0;
   int64_t gathers_ahead_ = 0;
+  int64_t rounds_ = 0;
+  int64_t served_ = 0;
 };
 
 class StepGathers {

@@ -31,12 +31,11 @@ namespace strata::parallel {
 //   operator's chunks and, once a step has recorded the operator sequence,
 //   the next kPrefetchLookaheadOps operators', within the device budget) are
 //   released. Gathers for the window are issued ahead, so they overlap the
-//   operators before them. Every decision is a function of the operator
-//   sequence and the chunk sizes, never of timing or free bytes, so every
-//   rank issues the same gathers in the same order. Gathered chunks are not
-//   evictable; after backward all are released (the step changes the shards).
-//   Like DeepSpeed's ZeRO-3, this needs every rank to run the same operators
-//   on parameters; a rank that does not stalls the others until the timeout.
+//   operators before them. The ranks agree on every gather in rounds (Note
+//   [Gathers agreed in rounds] in gathers.h), so ranks may run different
+//   operators on parameters (data-dependent branches). Gathered chunks are
+//   not evictable; after backward all are released (the step changes the
+//   shards).
 
 /// Every rank must pack the parameters into the same chunk families and plan
 /// the same stage-3 gathers, or their collectives would pair the wrong

@@ -8,8 +8,7 @@
 //   --offload       device budget a quarter of the model state, optimizer state on NVMe
 //   --accumulation  K micro-steps per step (communication only on the last)
 //   --unused        a branch only rank 0 uses: its gradients exist on one rank
-//                   only (at stage 3 no rank uses it: every rank must run the
-//                   same operators on parameters there)
+//                   only
 //   --memory        trains at stages 0 to 3 and checks that stage 3 keeps about
 //                   1/N of stage 0's model-state bytes per rank between steps
 //   --checkpoint    trains 3 steps at stage S, saves to DIR, trains 2 more and
@@ -22,10 +21,9 @@
 //                   stop the others and name it)
 //   --mismatch      rank 1 has another device budget: attach refuses on every rank
 //   --branches      rank 0 routes its batch through the side branch, the others
-//                   do not (data-dependent routing, as MoE): stages 0-2 train
-//                   like one process; stage 3 must fail on every rank with a
-//                   clear error, never pair mismatched gathers (Note [Gathers
-//                   checked by chunk])
+//                   do not (data-dependent routing, as MoE): every stage
+//                   trains like one process on the combined batch (at stage 3
+//                   through Note [Gathers agreed in rounds])
 //   --between       after step 2 every rank reads its parameters (compared
 //                   with the reference) and clamps them under NoGradGuard, as
 //                   the reference does: training goes on from the clamped
@@ -125,7 +123,7 @@ Outcome train(const std::shared_ptr<Communicator>& comm, const Options& opt) {
   }
   if (opt.mismatch && rank == 1) o.budgets.device += 4096;
   // Stage 3 gathers parameters for operators: every rank must use the same ones.
-  const auto uses_side = [&](int r) { return r == 0 && ((opt.unused && opt.stage < 3) || opt.branches); };
+  const auto uses_side = [&](int r) { return r == 0 && (opt.unused || opt.branches); };
   const int steps = 5, batch = 8;
   Outcome out;
   {
