@@ -91,6 +91,8 @@ int run(int argc, char** argv) {
   app.add_option("--dim", mc.dim, "model width")->check(CLI::PositiveNumber);
   app.add_option("--heads", mc.heads, "attention heads (divides --dim)")->check(CLI::PositiveNumber);
   app.add_option("--context", mc.context, "tokens (bytes) per sequence")->check(CLI::PositiveNumber);
+  app.add_flag("--checkpoint-activations", mc.checkpoint_blocks,
+               "recompute each block's activations in backward instead of keeping them (activation checkpointing)");
   app.add_option("--batch", batch, "sequences per step")->check(CLI::PositiveNumber);
   app.add_option("--lr", lr, "peak learning rate")->check(CLI::NonNegativeNumber & finite_number);
   app.add_option("--optimizer", optimizer, "adamw, adam, lion or sgd")

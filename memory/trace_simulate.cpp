@@ -156,7 +156,7 @@ SimulateResult simulate_trace(const Trace& t, const SimulateOptions& o) {
     const TraceOp& op = t.ops[i];
     const double op_compute = compute_seconds(op, o);
     compute += op_compute;
-    if (op.phase == "backward") backward_compute += op_compute;
+    if (op.phase == "backward" || op.phase == "recompute") backward_compute += op_compute;  // recomputation runs in backward
     if (op.phase == "optimizer") optimizer_compute += op_compute;
     if (op.name == "strata::optimizer_step") {
       // The step updates every family on host: parameter chunks leave the device.

@@ -6,6 +6,7 @@
 #include <sstream>
 
 #include "strata/core/error.h"
+#include "strata/parallel/activation_checkpoint.h"
 
 namespace strata::examples {
 
@@ -51,7 +52,14 @@ torch::Tensor GptImpl::forward(const torch::Tensor& idx) {
   const int64_t t = idx.size(1);
   const torch::Tensor mask = torch::ones({t, t}, torch::kBool).triu(1);
   torch::Tensor x = tok->forward(idx) + pos->forward(torch::arange(t));
-  for (const auto& m : *blocks) x = m->as<GptBlockImpl>()->forward(x, mask);
+  for (const auto& m : *blocks) {
+    GptBlockImpl* block = m->as<GptBlockImpl>();
+    if (config.checkpoint_blocks) {
+      x = strata::parallel::checkpoint([block, mask](const torch::Tensor& h) { return block->forward(h, mask); }, x);
+    } else {
+      x = block->forward(x, mask);
+    }
+  }
   return torch::nn::functional::linear(ln->forward(x), tok->weight);  // output tied to the input embedding
 }
 

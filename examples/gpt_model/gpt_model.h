@@ -15,6 +15,9 @@ struct GptConfig {
   int dim = 128;
   int layers = 4;
   int heads = 4;
+  /// Activation checkpointing per block: each block's activations are
+  /// recomputed in backward instead of kept (strata::parallel::checkpoint).
+  bool checkpoint_blocks = false;
 };
 
 struct GptBlockImpl : torch::nn::Module {

@@ -91,7 +91,7 @@ struct Engine::Impl final : OpObserver {
   // them holds it for the operator.
   std::mutex access_mu;
   std::atomic<bool> busy{false};
-  std::thread::id step_thread;
+  std::atomic<std::thread::id> step_thread{};
   /// Holds the engine for a step, run, save or load on this thread, and
   /// takes in parameter data user code replaced since the last one.
   class Busy {

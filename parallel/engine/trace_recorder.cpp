@@ -4,6 +4,7 @@
 #include <filesystem>
 
 #include "strata/core/log.h"
+#include "strata/parallel/activation_checkpoint.h"
 
 namespace strata::parallel {
 
@@ -69,7 +70,7 @@ void TraceRecorder::begin_op(const std::string& name, const std::vector<int64_t>
   current_.index = static_cast<int64_t>(trace_.ops.size());
   current_.step = static_cast<int>(trace_.steps.size());
   current_.name = name;
-  current_.phase = phase_;
+  current_.phase = recomputing() ? "recompute" : phase_;  // Note [Recomputing in backward]
   current_.start = since(t0_);
   current_.chunks = std::move(touches);
   counter_.reset_peak();

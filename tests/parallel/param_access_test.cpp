@@ -8,6 +8,7 @@
 #include <sstream>
 #include <thread>
 
+#include "parallel/test_models.h"
 #include "parallel/test_util.h"
 #include "strata/core/error.h"
 #include "strata/parallel/engine.h"
@@ -153,6 +154,34 @@ TEST(ParamAccess, InPlaceWritesReachTheFp32MasterInBf16) {
   }
   ASSERT_GT(inside, 100);
   EXPECT_GT(full_precision, inside / 2) << "unclamped elements kept their fp32 values, not bf16 roundings";
+}
+
+// fp16 (elementwise model: LibTorch 1.13 has fp16 CPU kernels for it): copy_
+// and mul_ between steps reach the master, and the next step starts from them.
+TEST(ParamAccess, InPlaceWritesReachTheFp32MasterInFp16) {
+  torch::manual_seed(29);
+  auto model = std::make_shared<Scaler>();
+  AdamWConfig cfg;
+  cfg.lr = 1e-2f;
+  EngineOptions o;
+  o.budgets = {16 << 10, 1 << 20, 0};
+  o.chunk_elems = 1024;
+  o.precision = DType::kFloat16;
+  auto engine = attach(*model, cfg, o);
+  const torch::Tensor tokens = torch::randint(0, 64, {8, 4});
+  const torch::Tensor target = torch::randn({8, 4, 32}).to(torch::kFloat16);
+  const auto loss_fn = [&] { return (model->forward(tokens) - target).pow(2).mean().to(torch::kFloat32); };
+  for (int s = 0; s < 2; ++s) engine->train_step(loss_fn);
+  {
+    torch::NoGradGuard no_grad;
+    model->gain.copy_(torch::full({32}, 0.3));
+    model->bias.mul_(0.0);
+  }
+  EXPECT_EQ(model->bias.abs().sum().item<double>(), 0.0);
+  engine.reset();
+  const float half_of_03 = torch::full({1}, 0.3).to(torch::kFloat16).to(torch::kFloat32).item<float>();
+  EXPECT_TRUE(torch::equal(model->gain, torch::full({32}, half_of_03))) << model->gain;
+  EXPECT_TRUE(torch::equal(model->bias, torch::zeros({32}))) << model->bias;
 }
 
 // torch::save while attached, more steps, torch::load: the engine trains on

@@ -44,7 +44,7 @@ struct TraceOp {
   int64_t index = 0;  // position in the trace
   int step = 0;
   std::string name;   // "aten::addmm", or "strata::optimizer_step"
-  std::string phase;  // forward, backward or optimizer
+  std::string phase;  // forward, backward, recompute (activation checkpointing, in backward) or optimizer
   double start = 0.0;    // seconds since the trace began
   double seconds = 0.0;  // duration, including waits for chunks
   std::vector<TraceTouch> chunks;
