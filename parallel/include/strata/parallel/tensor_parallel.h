@@ -1,0 +1,93 @@
+#pragma once
+// Tensor parallelism, 1D (Megatron-LM): layers whose weights are split over
+// the ranks of a tensor group (DeviceMesh::group(kTensor), or any
+// Communicator), each rank holding and training its slice. docs/tensor_parallel.md.
+//
+//   ColumnParallelLinear  weight rows (output features) split; input replicated
+//   RowParallelLinear     weight columns (input features) split; output all-reduced
+//   VocabParallelEmbedding  vocabulary rows split; output all-reduced
+//   vocab_parallel_cross_entropy  loss over logits split by vocabulary, never gathered
+//
+// A column-parallel layer followed by a row-parallel one (an MLP, or
+// attention split by heads) communicates once forward (the row layer's
+// all-reduce) and once backward (the column layer's input gradient):
+// Note [Megatron's f and g]. Every rank of the group must run the same layers
+// in the same order. The group's communicator must outlive the layers.
+//
+// With an engine: attach(module, optimizer, options) on every rank trains
+// each rank's slices in its own chunks (offload, traces and checkpoints as
+// for any module); pass a data-parallel communicator (the mesh's data axis),
+// never the tensor group, as attach's comm.
+
+#include <torch/torch.h>
+
+#include "strata/parallel/communicator.h"
+
+namespace strata::parallel {
+
+// Note [Megatron's f and g]: the four autograd collectives of 1D tensor parallelism.
+/// Identity forward; backward all-reduces the gradient over the group (f).
+torch::Tensor copy_to_group(const torch::Tensor& x, Communicator& group);
+/// All-reduce forward; identity backward (g).
+torch::Tensor reduce_from_group(const torch::Tensor& x, Communicator& group);
+/// This rank's slice of the last dimension forward; all-gather backward.
+torch::Tensor scatter_to_group(const torch::Tensor& x, Communicator& group);
+/// All-gather along the last dimension forward; this rank's slice backward.
+torch::Tensor gather_from_group(const torch::Tensor& x, Communicator& group);
+
+/// The [begin, end) of `n` this rank holds when split evenly over the group;
+/// a clear error when the group's size does not divide `n`.
+std::pair<int64_t, int64_t> slice_of(int64_t n, Communicator& group, const char* what);
+
+struct ColumnParallelLinearImpl : torch::nn::Module {
+  /// The rows [out * r / P, out * (r + 1) / P) of a torch::nn::Linear(in, out)
+  /// built here with LibTorch's own initialisation (the same values a single
+  /// process gets with the same seed). `gather_output`: all-gather the
+  /// output's last dimension (else each rank keeps its slice).
+  ColumnParallelLinearImpl(int64_t in, int64_t out, Communicator& group, bool bias = true, bool gather_output = false);
+  /// The same slice of an existing layer's weights.
+  ColumnParallelLinearImpl(const torch::nn::Linear& full, Communicator& group, bool gather_output = false);
+  torch::Tensor forward(const torch::Tensor& x);
+
+  torch::Tensor weight, bias;  // [out / P, in], [out / P]
+  Communicator* group;
+  bool gather_output;
+};
+TORCH_MODULE(ColumnParallelLinear);
+
+struct RowParallelLinearImpl : torch::nn::Module {
+  /// The columns [in * r / P, in * (r + 1) / P) of a torch::nn::Linear(in,
+  /// out); the bias is whole on every rank and added after the all-reduce.
+  /// `input_is_parallel`: the input already holds this rank's slice of its
+  /// last dimension (a column-parallel layer's output), else it is sliced here.
+  RowParallelLinearImpl(int64_t in, int64_t out, Communicator& group, bool bias = true, bool input_is_parallel = true);
+  RowParallelLinearImpl(const torch::nn::Linear& full, Communicator& group, bool input_is_parallel = true);
+  torch::Tensor forward(const torch::Tensor& x);
+
+  torch::Tensor weight, bias;  // [out, in / P], [out]
+  Communicator* group;
+  bool input_is_parallel;
+};
+TORCH_MODULE(RowParallelLinear);
+
+struct VocabParallelEmbeddingImpl : torch::nn::Module {
+  /// The rows [vocab * r / P, vocab * (r + 1) / P) of a torch::nn::Embedding(vocab, dim).
+  VocabParallelEmbeddingImpl(int64_t vocab, int64_t dim, Communicator& group);
+  VocabParallelEmbeddingImpl(const torch::nn::Embedding& full, Communicator& group);
+  torch::Tensor forward(const torch::Tensor& ids);
+
+  torch::Tensor weight;  // [vocab / P, dim]
+  int64_t vocab_begin = 0, vocab_end = 0;
+  Communicator* group;
+};
+TORCH_MODULE(VocabParallelEmbedding);
+
+/// Mean cross-entropy of `logits` [N, V / P] (this rank's vocabulary slice,
+/// columns [V * r / P, V * (r + 1) / P)) against `target` [N] (ids in [0, V)),
+/// as torch::nn::functional::cross_entropy on the whole logits, without
+/// gathering them: a max, a sum of exponentials and the target's logit are
+/// all-reduced (N values each). Computed in fp32.
+torch::Tensor vocab_parallel_cross_entropy(const torch::Tensor& logits, const torch::Tensor& target,
+                                           Communicator& group);
+
+}  // namespace strata::parallel

@@ -1,0 +1,209 @@
+// Tensor parallelism, 1D (Megatron-LM): the autograd collectives and the layers.
+//
+// Note [Megatron's f and g]
+// A column-parallel linear Y_r = X A_r needs the whole input X on every rank
+// and produces a slice of the output; a row-parallel linear Z = sum_r Y_r B_r
+// takes those slices and sums the partial products over the group. So
+// forward needs one all-reduce (g, after the row layer) and backward one (f,
+// before the column layer: dL/dX = sum_r dL/dY_r A_r^T). f and g are each
+// other's transpose: f is the identity forward and an all-reduce backward, g
+// the reverse. scatter/gather along the last dimension are the same pair for
+// layers used alone. The collectives run on host buffers (Gloo moves host
+// memory): a CUDA tensor is copied to host and back.
+#include <torch/autograd.h>
+
+#include "strata/core/error.h"
+#include "strata/parallel/tensor_collectives.h"
+#include "strata/parallel/tensor_parallel.h"
+
+namespace strata::parallel {
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+c10::IValue group_value(Communicator& g) { return c10::IValue(static_cast<int64_t>(reinterpret_cast<intptr_t>(&g))); }
+Communicator& group_of(AutogradContext* ctx) {
+  return *reinterpret_cast<Communicator*>(static_cast<intptr_t>(ctx->saved_data["group"].toInt()));
+}
+
+// A host copy Gloo can move: fp32 or fp16, contiguous, owned.
+torch::Tensor host_copy(const torch::Tensor& x) {
+  torch::Tensor h = x.detach().to(torch::kCPU).contiguous().clone();
+  if (h.scalar_type() != torch::kFloat32 && h.scalar_type() != torch::kFloat16) h = h.to(torch::kFloat32);
+  return h;
+}
+
+torch::Tensor all_reduce_sum(const torch::Tensor& x, Communicator& group, ReduceOp op = ReduceOp::kSum) {
+  if (group.world_size() == 1) return x;
+  torch::Tensor h = host_copy(x);
+  all_reduce(group, h, op)->wait();
+  return h.to(x.device(), x.scalar_type());
+}
+
+torch::Tensor all_gather_last(const torch::Tensor& x, Communicator& group) {
+  if (group.world_size() == 1) return x;
+  torch::Tensor h = host_copy(x);
+  std::vector<int64_t> shape{group.world_size()};
+  for (int64_t s : h.sizes()) shape.push_back(s);
+  torch::Tensor out = torch::empty(shape, h.options());
+  all_gather(group, h, out)->wait();
+  return torch::cat(out.unbind(0), -1).to(x.device(), x.scalar_type());
+}
+
+torch::Tensor own_slice_last(const torch::Tensor& x, Communicator& group) {
+  if (group.world_size() == 1) return x;
+  const auto [begin, end] = slice_of(x.size(-1), group, "the last dimension");
+  return x.narrow(-1, begin, end - begin).contiguous();
+}
+
+struct CopyToGroup : torch::autograd::Function<CopyToGroup> {
+  static torch::Tensor forward(AutogradContext* ctx, Communicator* g, const torch::Tensor& x) {
+    ctx->saved_data["group"] = group_value(*g);
+    return x;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {torch::Tensor(), all_reduce_sum(grads[0], group_of(ctx))};
+  }
+};
+
+struct ReduceFromGroup : torch::autograd::Function<ReduceFromGroup> {
+  static torch::Tensor forward(AutogradContext* ctx, Communicator* g, const torch::Tensor& x) {
+    return all_reduce_sum(x, *g);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) { return {torch::Tensor(), grads[0]}; }
+};
+
+struct ScatterToGroup : torch::autograd::Function<ScatterToGroup> {
+  static torch::Tensor forward(AutogradContext* ctx, Communicator* g, const torch::Tensor& x) {
+    ctx->saved_data["group"] = group_value(*g);
+    return own_slice_last(x, *g);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {torch::Tensor(), all_gather_last(grads[0], group_of(ctx))};
+  }
+};
+
+struct GatherFromGroup : torch::autograd::Function<GatherFromGroup> {
+  static torch::Tensor forward(AutogradContext* ctx, Communicator* g, const torch::Tensor& x) {
+    ctx->saved_data["group"] = group_value(*g);
+    return all_gather_last(x, *g);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {torch::Tensor(), own_slice_last(grads[0], group_of(ctx))};
+  }
+};
+
+// Note [Cross-entropy over a split vocabulary]: loss_i = log sum_v exp(z_iv)
+// - z_i,t_i. Each rank holds columns [b, e) of z. The max (for stability), the
+// sum of exponentials and the target's logit (held by one rank, zero
+// elsewhere) are all-reduced; the gradient softmax - onehot is local.
+struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossEntropy> {
+  static torch::Tensor forward(AutogradContext* ctx, Communicator* g, const torch::Tensor& logits,
+                               const torch::Tensor& target) {
+    const auto [begin, end] = slice_of(logits.size(-1) * g->world_size(), *g, "the vocabulary");
+    const torch::Tensor z32 = logits.to(torch::kFloat32);
+    const torch::Tensor max = all_reduce_sum(std::get<0>(z32.max(-1)), *g, ReduceOp::kMax);
+    const torch::Tensor z = z32 - max.unsqueeze(-1);
+    const torch::Tensor e = z.exp();
+    const torch::Tensor sum = all_reduce_sum(e.sum(-1), *g);
+    const torch::Tensor mine = (target >= begin) & (target < end);
+    const torch::Tensor local = (target - begin).masked_fill(~mine, 0);
+    const torch::Tensor picked = z.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0);
+    const torch::Tensor target_logit = all_reduce_sum(picked, *g);
+    const torch::Tensor loss = (sum.log() - target_logit).mean();
+    ctx->save_for_backward({e / sum.unsqueeze(-1), local, mine});
+    ctx->saved_data["dtype"] = static_cast<int64_t>(logits.scalar_type());
+    return loss.to(logits.scalar_type());
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list s = ctx->get_saved_variables();
+    torch::Tensor d = s[0].clone();  // softmax over the whole vocabulary, this rank's columns
+    d.scatter_add_(-1, s[1].unsqueeze(-1), -s[2].to(d.scalar_type()).unsqueeze(-1));
+    d.mul_(grads[0].to(torch::kFloat32) / static_cast<double>(d.size(0)));
+    const auto dtype = static_cast<torch::ScalarType>(ctx->saved_data["dtype"].toInt());
+    return {torch::Tensor(), d.to(dtype), torch::Tensor()};
+  }
+};
+
+}  // namespace
+
+torch::Tensor copy_to_group(const torch::Tensor& x, Communicator& group) { return CopyToGroup::apply(&group, x); }
+torch::Tensor reduce_from_group(const torch::Tensor& x, Communicator& group) {
+  return ReduceFromGroup::apply(&group, x);
+}
+torch::Tensor scatter_to_group(const torch::Tensor& x, Communicator& group) { return ScatterToGroup::apply(&group, x); }
+torch::Tensor gather_from_group(const torch::Tensor& x, Communicator& group) {
+  return GatherFromGroup::apply(&group, x);
+}
+
+std::pair<int64_t, int64_t> slice_of(int64_t n, Communicator& group, const char* what) {
+  const int64_t p = group.world_size();
+  STRATA_CHECK(n % p == 0, "tensor parallelism over ", p, " ranks splits ", what, " (", n, ") evenly; choose sizes "
+               "divisible by the tensor-parallel size");
+  const int64_t share = n / p;
+  return {share * group.rank(), share * (group.rank() + 1)};
+}
+
+torch::Tensor vocab_parallel_cross_entropy(const torch::Tensor& logits, const torch::Tensor& target,
+                                           Communicator& group) {
+  STRATA_CHECK(logits.dim() == 2 && target.dim() == 1 && target.size(0) == logits.size(0),
+               "vocab_parallel_cross_entropy takes logits [N, V / P] and targets [N]; reshape them first (got ",
+               logits.sizes(), " and ", target.sizes(), ")");
+  return VocabParallelCrossEntropy::apply(&group, logits, target);
+}
+
+// --- layers ------------------------------------------------------------------
+
+ColumnParallelLinearImpl::ColumnParallelLinearImpl(int64_t in, int64_t out, Communicator& g, bool with_bias,
+                                                   bool gather)
+    : ColumnParallelLinearImpl(torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(with_bias)), g, gather) {}
+
+ColumnParallelLinearImpl::ColumnParallelLinearImpl(const torch::nn::Linear& full, Communicator& g, bool gather)
+    : group(&g), gather_output(gather) {
+  const auto [begin, end] = slice_of(full->weight.size(0), g, "the output features");
+  torch::NoGradGuard no_grad;
+  weight = register_parameter("weight", full->weight.narrow(0, begin, end - begin).clone());
+  if (full->bias.defined()) bias = register_parameter("bias", full->bias.narrow(0, begin, end - begin).clone());
+}
+
+torch::Tensor ColumnParallelLinearImpl::forward(const torch::Tensor& x) {
+  torch::Tensor y = torch::nn::functional::linear(copy_to_group(x, *group), weight, bias);
+  return gather_output ? gather_from_group(y, *group) : y;
+}
+
+RowParallelLinearImpl::RowParallelLinearImpl(int64_t in, int64_t out, Communicator& g, bool with_bias, bool parallel_in)
+    : RowParallelLinearImpl(torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(with_bias)), g, parallel_in) {}
+
+RowParallelLinearImpl::RowParallelLinearImpl(const torch::nn::Linear& full, Communicator& g, bool parallel_in)
+    : group(&g), input_is_parallel(parallel_in) {
+  const auto [begin, end] = slice_of(full->weight.size(1), g, "the input features");
+  torch::NoGradGuard no_grad;
+  weight = register_parameter("weight", full->weight.narrow(1, begin, end - begin).contiguous());
+  if (full->bias.defined()) bias = register_parameter("bias", full->bias.clone());
+}
+
+torch::Tensor RowParallelLinearImpl::forward(const torch::Tensor& x) {
+  const torch::Tensor part = input_is_parallel ? x : scatter_to_group(x, *group);
+  torch::Tensor y = reduce_from_group(torch::nn::functional::linear(part, weight), *group);
+  return bias.defined() ? y + bias : y;
+}
+
+VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(int64_t vocab, int64_t dim, Communicator& g)
+    : VocabParallelEmbeddingImpl(torch::nn::Embedding(vocab, dim), g) {}
+
+VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(const torch::nn::Embedding& full, Communicator& g) : group(&g) {
+  std::tie(vocab_begin, vocab_end) = slice_of(full->weight.size(0), g, "the vocabulary");
+  torch::NoGradGuard no_grad;
+  weight = register_parameter("weight", full->weight.narrow(0, vocab_begin, vocab_end - vocab_begin).clone());
+}
+
+torch::Tensor VocabParallelEmbeddingImpl::forward(const torch::Tensor& ids) {
+  const torch::Tensor outside = (ids < vocab_begin) | (ids >= vocab_end);
+  const torch::Tensor local = (ids - vocab_begin).masked_fill(outside, 0);
+  const torch::Tensor rows = torch::embedding(weight, local).masked_fill(outside.unsqueeze(-1), 0.0);
+  return reduce_from_group(rows, *group);
+}
+
+}  // namespace strata::parallel
