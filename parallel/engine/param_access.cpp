@@ -157,10 +157,11 @@ torch::Tensor ParamAccess::grad(size_t i) {
     torch::Tensor whole = torch::empty({capacity}, opts);
     ctx_.with_on_host({gs}, [&] { gather_shards(ctx_, gs, ctx_.mgr->data(gs), whole.data_ptr()); });
     ctx_.collectives += 1;
-    out = whole.slice(0, p.offset, p.offset + p.numel).to(torch::kFloat32);
+    out = whole.slice(0, p.offset, p.offset + p.numel).to(torch::kFloat32, /*non_blocking=*/false, /*copy=*/true);
   } else {
     ctx_.pin(fam.grad, Tier::kHost, {p.slot});
-    out = torch::from_blob(ctx_.at(fam.grad, p.offset), {p.numel}, opts).to(torch::kFloat32);
+    // A copy even when the chunk is fp32: the scaling below must not touch the gradient the step applies.
+    out = torch::from_blob(ctx_.at(fam.grad, p.offset), {p.numel}, opts).to(torch::kFloat32, /*non_blocking=*/false, /*copy=*/true);
     ctx_.unpin(fam.grad, {p.slot});
   }
   return out.mul_(grad_factor_).reshape(p.shape);

@@ -24,7 +24,9 @@
 //                   do not (data-dependent routing, as MoE): every stage
 //                   trains like one process on the combined batch (at stage 3
 //                   through Note [Gathers agreed in rounds])
-//   --between       after step 2 every rank reads its parameters (compared
+//   --between       at step 1 every rank reads the gradients before the step
+//                   (Engine::grad, compared with the reference's); after step 2
+//                   every rank reads its parameters (compared
 //                   with the reference) and clamps them under NoGradGuard, as
 //                   the reference does: training goes on from the clamped
 //                   values at every stage (at stage 3 the reads are collective)
@@ -40,6 +42,7 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <functional>
 #include <stdexcept>
 #include <cstdio>
 #include <cstring>
@@ -126,6 +129,7 @@ Outcome train(const std::shared_ptr<Communicator>& comm, const Options& opt) {
   const auto uses_side = [&](int r) { return r == 0 && (opt.unused || opt.branches); };
   const int steps = 5, batch = 8;
   Outcome out;
+  int64_t grad_gathers = 0;  // Engine::grad at stages 2-3: one gather of the shards each
   {
     auto engine = attach(*model, cfg, o, comm);
     STRATA_CHECK(engine->zero_stage() == opt.stage, "engine runs stage ", engine->zero_stage());
@@ -164,7 +168,24 @@ Outcome train(const std::shared_ptr<Communicator>& comm, const Options& opt) {
           ::sleep(60);  // the other ranks time out meanwhile; the launcher stops this one
           std::_Exit(1);
         }
-        engine->train_step(loss_fn);
+        // --between, step 1: the gradients the step will apply equal the reference's
+        // (at stages 2-3 grad() gathers shards: every rank asks for the same ones).
+        const auto check_grads = [&] {
+          auto pr = reference->named_parameters();
+          for (const auto& item : model->named_parameters()) {
+            const torch::Tensor g = engine->grad(item.value());
+            const torch::Tensor want = pr[item.key()].grad();
+            STRATA_CHECK(g.defined() == want.defined(), "rank ", rank, ": ", item.key(), " gradient defined ",
+                         g.defined(), ", the reference's ", want.defined());
+            if (!g.defined()) continue;
+            grad_gathers += opt.stage >= 2 ? 1 : 0;
+            const double diff = ((g - want).norm() / want.norm().clamp_min(1e-12)).item<double>();
+            STRATA_CHECK(diff < 1e-5, "rank ", rank, ": engine->grad(", item.key(), ") differs from the reference's "
+                         "gradient by ", diff);
+          }
+        };
+        const bool last = m + 1 == opt.accumulation;
+        engine->train_step(loss_fn, opt.between && s == 1 && last ? std::function<void()>(check_grads) : nullptr);
       }
       adamw.step();
       if (opt.between && s == 2) {
@@ -189,6 +210,7 @@ Outcome train(const std::shared_ptr<Communicator>& comm, const Options& opt) {
     int64_t expected = static_cast<int64_t>(model->parameters().size()) + steps * (families + 1);
     if (opt.stage == 1 || opt.stage == 2) expected += steps * families;
     if (opt.stage >= 2) expected += steps;
+    expected += grad_gathers;
     STRATA_CHECK(engine->collectives() == expected, "issued ", engine->collectives(), " collectives, expected ",
                  expected);
     STRATA_CHECK((engine->parameter_gathers() > 0) == (opt.stage == 3), "stage ", opt.stage, " gathered parameters ",
