@@ -1,5 +1,6 @@
 // Run by the tests through `strata run -n N`: Ulysses sequence-parallel
-// attention (parallel/include/strata/parallel/sequence_parallel.h) against
+// attention and the paper's ring self-attention
+// (parallel/include/strata/parallel/sequence_parallel.h) against
 // single-process attention on the whole sequence, on every rank, causal and
 // not: the output and the gradients of q, k, v and of a replicated
 // projection (summed over the group) within 1e-5; a head count or sequence
@@ -52,8 +53,11 @@ void expect_refused(Fn fn, const std::string& words) {
   STRATA_CHECK(got.find(words) != std::string::npos, "expected an error saying \"", words, "\", got: ", got);
 }
 
-void check(Communicator& comm, bool causal) {
-  const int64_t n = comm.world_size(), b = 2, h = 4, s = 8 * n, d = 8, e = 16;
+using Attention = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, Communicator&,
+                                    bool);
+
+void check(Communicator& comm, bool causal, Attention attend, int64_t h, const std::string& name) {
+  const int64_t n = comm.world_size(), b = 2, s = 8 * n, d = 8, e = 16;
   torch::manual_seed(comm.rank() + 3);
   const torch::Tensor x = shared(comm, torch::randn({b, s, e}));
   const torch::Tensor wq = shared(comm, torch::randn({h * d, e}) * 0.2), wkv = shared(comm, torch::randn({2 * h * d, e}) * 0.2);
@@ -76,8 +80,8 @@ void check(Communicator& comm, bool causal) {
   torch::Tensor lk = heads(lkv[0]), lv = heads(lkv[1]);
   lk.retain_grad();
   lv.retain_grad();
-  torch::Tensor lout = ulysses_attention(lq, lk, lv, comm, causal);
-  const std::string mode = causal ? " (causal)" : "";
+  torch::Tensor lout = attend(lq, lk, lv, comm, causal);
+  const std::string mode = " of " + name + (causal ? " (causal)" : "");
   expect_close(lout, split_sequence(out, 2, comm), "output" + mode);
   (lout * split_sequence(w, 2, comm)).sum().backward();
   expect_close(lq.grad(), split_sequence(q.grad(), 2, comm), "q gradient" + mode);
@@ -99,9 +103,14 @@ int main() {
     expect_refused([&] { split_sequence(torch::zeros({2, 4 * n + 1}), 1, *comm); }, "does not split evenly");
     const torch::Tensor odd = torch::zeros({1, 2 * n + 1, 4, 8});
     expect_refused([&] { ulysses_attention(odd, odd, odd, *comm, false); }, "attention heads evenly");
-    check(*comm, false);
-    check(*comm, true);
+    check(*comm, false, &ulysses_attention, 4, "Ulysses");
+    check(*comm, true, &ulysses_attention, 4, "Ulysses");
     std::printf("rank %d: Ulysses sequence parallel (%d ranks) matches single-process attention (worst relative "
+                "difference %.2e)\n", comm->rank(), comm->world_size(), worst);
+    worst = 0;
+    check(*comm, false, &ring_self_attention, 3, "ring self-attention");  // any head count
+    check(*comm, true, &ring_self_attention, 3, "ring self-attention");
+    std::printf("rank %d: ring self-attention (%d ranks) matches single-process attention (worst relative "
                 "difference %.2e)\n", comm->rank(), comm->world_size(), worst);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "sp_check: %s\n", e.what());

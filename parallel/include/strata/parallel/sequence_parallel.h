@@ -6,6 +6,10 @@
 // [B, H, S/N, D] runs as an all-to-all to head-sharded [B, H/N, S, D], plain
 // attention over the whole sequence for H/N heads, and an all-to-all back
 // (Note [Ulysses]). The head count must divide by N.
+//
+// Ring self-attention (the Colossal-AI paper's): keys, then values, travel
+// the ring of ranks; each rank computes its rows of the scores and the output
+// (Note [Ring self-attention]).
 
 #include <torch/torch.h>
 
@@ -28,5 +32,12 @@ torch::Tensor heads_to_sequence(const torch::Tensor& x, Communicator& group);
 /// attention on the whole sequence in one process, forward and backward.
 torch::Tensor ulysses_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                 Communicator& group, bool causal);
+
+/// The paper's ring self-attention (Note [Ring self-attention]): the same
+/// arguments and result as ulysses_attention, with keys and then values
+/// passed around the ring in N - 1 hops; any head count. Each rank holds
+/// its rows of the scores against the whole sequence (S^2 / N per head).
+torch::Tensor ring_self_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                  Communicator& group, bool causal);
 
 }  // namespace strata::parallel
