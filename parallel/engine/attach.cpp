@@ -6,6 +6,7 @@
 #include <unordered_set>
 
 #include "../zero/sharding.h"
+#include "strata/parallel/tensor_parallel.h"
 #include "engine_impl.h"
 #include "family_stream.h"
 
@@ -75,6 +76,19 @@ Engine::Impl::Impl(torch::nn::Module& module, OptimizerConfig optimizer, EngineO
     module_state.push_back({item.key(), item.value(), item.value().scalar_type()});
   }
 
+  // Note [Clipping across the tensor group]: which parameters are slices, and of which group.
+  for (ManagedParam& p : ctx.params) {
+    Communicator* g = tensor_group_of(p.tensor);
+    if (g == nullptr) continue;
+    STRATA_CHECK(ctx.tensor_group == nullptr || ctx.tensor_group == g, "parameter ", p.name,
+                 " is split over another tensor group than the module's other tensor-parallel layers; build every "
+                 "layer of one module over the same group");
+    ctx.tensor_group = g;
+    p.split = true;
+  }
+  STRATA_CHECK(ctx.tensor_group == nullptr || ctx.comm == nullptr || ctx.comm.get() != ctx.tensor_group,
+               "attach's communicator is the tensor group its layers split parameters over; pass the data-parallel "
+               "group (the mesh's data axis), or none");
   assign_groups(ctx);
   register_parameters(ctx);
   if (ctx.data_parallel()) check_same_layout_on_every_rank(ctx);  // before any collective pairs buffers

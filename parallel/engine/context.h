@@ -59,6 +59,7 @@ struct ManagedParam {
   int64_t steps = 0;      // optimizer updates applied
   size_t group = 0;       // index into EngineContext::groups
   bool has_grad = false;  // a gradient arrived since the last step
+  bool split = false;     // a tensor-parallel layer holds this rank's slice (tensor_group_of)
 };
 
 /// A parameter group's hyper-parameters in effect (OptimizerConfig's, with
@@ -83,6 +84,9 @@ struct EngineContext {
   int stage = 0;                       // ZeRO stage in effect (0 with one rank)
   int rank = 0;
   int64_t collectives = 0;  // on `comm`: see Engine::collectives()
+  // The tensor group the module's tensor-parallel layers split parameters
+  // over (Note [Clipping across the tensor group]); null: none.
+  Communicator* tensor_group = nullptr;
   Engine::DataWait wait;
 
   bool data_parallel() const { return comm != nullptr && comm->world_size() > 1; }

@@ -1,5 +1,7 @@
 #include "step_pipeline.h"
 
+#include <torch/torch.h>
+
 #include <algorithm>
 #include <cmath>
 
@@ -81,13 +83,61 @@ kernels::GradStats StepPipeline::grad_stats() {
     ctx_.unpin(gc, slots);
   }
   EngineContext::settle(ahead);
+  double replicated = ctx_.tensor_group != nullptr ? replicated_sum_sq() : 0.0;
   if (ctx_.stage >= 2) {
-    const std::vector<double> all = all_gather_values(*ctx_.comm, {total.sum_sq, total.finite ? 0.0 : 1.0});
+    const std::vector<double> all =
+        all_gather_values(*ctx_.comm, {total.sum_sq, total.finite ? 0.0 : 1.0, replicated});
     ctx_.collectives += 1;
     total = kernels::GradStats{};
-    for (int r = 0; r < ctx_.world(); ++r) total.merge({all[2 * r], all[2 * r + 1] == 0.0});
+    replicated = 0.0;
+    for (int r = 0; r < ctx_.world(); ++r) {
+      total.merge({all[3 * r], all[3 * r + 1] == 0.0});
+      replicated += all[3 * r + 2];
+    }
+  }
+  if (ctx_.tensor_group != nullptr && ctx_.tensor_group->world_size() > 1) {
+    // Note [Clipping across the tensor group]: slices summed over the group, replicated parameters once.
+    Communicator& tp = *ctx_.tensor_group;
+    const double share = 1.0 / tp.world_size();
+    const std::vector<double> all =
+        all_gather_values(tp, {total.sum_sq - replicated * (1.0 - share), total.finite ? 0.0 : 1.0});
+    total = kernels::GradStats{};
+    for (int r = 0; r < tp.world_size(); ++r) total.merge({all[2 * r], all[2 * r + 1] == 0.0});
   }
   return total;
+}
+
+// Note [Clipping across the tensor group]
+// Under tensor parallelism each rank's gradient chunks hold its slices of the
+// split parameters and whole copies of the replicated ones (biases of
+// row-parallel layers, norms), equal on every rank of the group. The global
+// norm squared is the sum over the group of the slices' squares plus the
+// replicated parameters' once: each rank contributes its chunks' sum minus
+// (1 - 1/P) of its replicated part, and the contributions are summed over
+// the tensor group (one small all-gather, after the data-parallel one).
+double StepPipeline::replicated_sum_sq() {
+  double sum = 0.0;
+  for (memory::FamilyId f : ctx_.families) {
+    const ChunkId gc = ctx_.step_grad(f);
+    if (!ctx_.mgr->chunk(gc).location()) continue;
+    std::vector<std::pair<int64_t, int64_t>> ranges;
+    for (size_t i : ctx_.params_of_chunk[ctx_.mgr->family(f).param]) {
+      const ManagedParam& p = ctx_.params[i];
+      if (p.split || !p.has_grad) continue;
+      // Stages 2-3 hold this rank's part of the gradient; before, all of it.
+      ranges.push_back(ctx_.stage >= 2 ? ctx_.owned(p) : std::make_pair(p.offset, p.offset + p.numel));
+    }
+    if (ranges.empty()) continue;
+    ctx_.with_on_host({gc}, [&] {
+      for (const auto& [begin, end] : ranges) {
+        if (begin >= end) continue;
+        const torch::Tensor g = torch::from_blob(ctx_.at(gc, begin), {end - begin},
+                                                 torch::TensorOptions().dtype(ctx_.compute));
+        sum += g.to(torch::kFloat64).pow(2).sum().item<double>();
+      }
+    });
+  }
+  return sum;
 }
 
 double StepPipeline::current_lr(size_t group) const {

@@ -165,7 +165,11 @@ ColumnParallelLinearImpl::ColumnParallelLinearImpl(const torch::nn::Linear& full
   const auto [begin, end] = slice_of(full->weight.size(0), g, "the output features");
   torch::NoGradGuard no_grad;
   weight = register_parameter("weight", full->weight.narrow(0, begin, end - begin).clone());
-  if (full->bias.defined()) bias = register_parameter("bias", full->bias.narrow(0, begin, end - begin).clone());
+  mark_split(weight, g);
+  if (full->bias.defined()) {
+    bias = register_parameter("bias", full->bias.narrow(0, begin, end - begin).clone());
+    mark_split(bias, g);
+  }
 }
 
 torch::Tensor ColumnParallelLinearImpl::forward(const torch::Tensor& x) {
@@ -181,6 +185,7 @@ RowParallelLinearImpl::RowParallelLinearImpl(const torch::nn::Linear& full, Comm
   const auto [begin, end] = slice_of(full->weight.size(1), g, "the input features");
   torch::NoGradGuard no_grad;
   weight = register_parameter("weight", full->weight.narrow(1, begin, end - begin).contiguous());
+  mark_split(weight, g);  // the bias is whole: replicated over the group
   if (full->bias.defined()) bias = register_parameter("bias", full->bias.clone());
 }
 
@@ -197,6 +202,7 @@ VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(const torch::nn::Embeddin
   std::tie(vocab_begin, vocab_end) = slice_of(full->weight.size(0), g, "the vocabulary");
   torch::NoGradGuard no_grad;
   weight = register_parameter("weight", full->weight.narrow(0, vocab_begin, vocab_end - vocab_begin).clone());
+  mark_split(weight, g);
 }
 
 torch::Tensor VocabParallelEmbeddingImpl::forward(const torch::Tensor& ids) {

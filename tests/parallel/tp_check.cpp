@@ -8,9 +8,10 @@
 //   - vocab-parallel embedding and a column-parallel head with the
 //     vocab-parallel cross-entropy: loss and gradients;
 //   - a layer size the group does not divide: refused at construction;
-//   - a model of them trained 10 steps by strata (attach, a quarter of each
-//     rank's model state on the device) with the same losses and weights as
-//     one process with torch::optim::AdamW.
+//   - a model of them trained 10 steps by strata (attach, three chunk pages of
+//     device per rank, gradient-norm clipping active) with the same gradient
+//     norms, losses and weights as one process with clip_grad_norm_ and
+//     torch::optim::AdamW.
 // Prints "rank R: tensor parallel (1D, P ranks) matches single-process LibTorch" or fails.
 #include <torch/torch.h>
 
@@ -177,6 +178,9 @@ void training(Communicator& comm) {
   // Three 4 KiB chunk pages on the device: an operator's parameters fit, the rank's model does not.
   o.budgets = {3 * 4096, static_cast<uint64_t>(params) * 64 + (1 << 20), 0};
   o.chunk_elems = 256;
+  // Small enough that every step clips: the norm must count slices across
+  // the group and the replicated bias once (Note [Clipping across the tensor group]).
+  o.clip_norm = 0.5;
   {
     auto engine = attach(model, cfg, o);  // no communicator: the tensor group is not a data-parallel one
     for (int s = 0; s < 10; ++s) {
@@ -185,8 +189,14 @@ void training(Communicator& comm) {
       adamw.zero_grad();
       torch::Tensor ref = reference.loss(ids, target);
       ref.backward();
+      const double ref_norm = torch::nn::utils::clip_grad_norm_(reference.parameters(), o.clip_norm);
+      STRATA_CHECK(ref_norm > o.clip_norm, "the reference's gradient norm ", ref_norm, " did not need clipping");
       adamw.step();
       const StepResult r = engine->train_step([&] { return model.loss(ids, target); });
+      const double norm_diff = std::abs(r.grad_norm - ref_norm) / ref_norm;
+      worst = std::max(worst, norm_diff);
+      STRATA_CHECK(norm_diff < 1e-5, "rank ", comm.rank(), ": step ", s, " gradient norm ", r.grad_norm,
+                   " vs single process ", ref_norm);
       const double diff = std::abs(r.loss - ref.item<double>()) / std::abs(ref.item<double>());
       worst = std::max(worst, diff);
       STRATA_CHECK(diff < 1e-5, "rank ", comm.rank(), ": step ", s, " loss ", r.loss, " vs single process ",

@@ -17,7 +17,8 @@
 // With an engine: attach(module, optimizer, options) on every rank trains
 // each rank's slices in its own chunks (offload, traces and checkpoints as
 // for any module); pass a data-parallel communicator (the mesh's data axis),
-// never the tensor group, as attach's comm.
+// never the tensor group, as attach's comm. Gradient-norm clipping is global
+// across the tensor group (tensor_group_of).
 
 #include <torch/torch.h>
 
@@ -34,6 +35,14 @@ torch::Tensor reduce_from_group(const torch::Tensor& x, Communicator& group);
 torch::Tensor scatter_to_group(const torch::Tensor& x, Communicator& group);
 /// All-gather along the last dimension forward; this rank's slice backward.
 torch::Tensor gather_from_group(const torch::Tensor& x, Communicator& group);
+
+/// The tensor group parameter `param` is split over (its rank's slice), or
+/// null for a parameter no parallel layer split (replicated over the group).
+/// The engine uses it for gradient-norm clipping (Note [Clipping across the
+/// tensor group]): it counts every slice and each replicated parameter once.
+Communicator* tensor_group_of(const torch::Tensor& param);
+/// Records that `param` holds this rank's slice over `group` (the layers do it).
+void mark_split(const torch::Tensor& param, Communicator& group);
 
 /// The [begin, end) of `n` this rank holds when split evenly over the group;
 /// a clear error when the group's size does not divide `n`.
