@@ -209,10 +209,8 @@ void move_parameters_into_chunks(EngineContext& ctx) {
       copy_into(fam.param, p.offset, p.offset + p.numel, ctx.options.precision);
     }
     if (fam.master) copy_into(*fam.master, begin, end, DType::kFloat32);
-    // Where the placement listener would point it (Note [Parameters between steps]).
-    const auto where = mgr.chunk(fam.param).location();
-    const bool addressable = where && (*where == Tier::kDevice || (*where == Tier::kHost && ctx.device.is_cpu()));
-    void* slot = addressable ? ctx.at(fam.param, p.offset) : nullptr;
+    // Where the placement listener would point it (Residency::on_placed).
+    void* slot = ctx.addressable(mgr.chunk(fam.param).location()) ? ctx.at(fam.param, p.offset) : nullptr;
     p.storage = c10::make_intrusive<c10::StorageImpl>(c10::StorageImpl::use_byte_size_t(),
                                                       static_cast<size_t>(p.numel) * esize,
                                                       c10::DataPtr(slot, ctx.device), nullptr, false);

@@ -15,6 +15,7 @@
 
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -90,6 +91,12 @@ struct EngineContext {
   Engine::DataWait wait;
 
   bool data_parallel() const { return comm != nullptr && comm->world_size() > 1; }
+  /// Whether a parameter's storage may point at its chunk on tier `where`
+  /// (Note [Parameters between steps]): the device tier, and on the emulated
+  /// device the host tier too (both host memory there).
+  bool addressable(std::optional<Tier> where) const {
+    return where && (*where == Tier::kDevice || (*where == Tier::kHost && device.is_cpu()));
+  }
   int world() const { return comm ? comm->world_size() : 1; }
   size_t elem_size() const { return dtype_size(options.precision); }
   ChunkId param_chunk(const ManagedParam& p) const { return mgr->family(p.family).param; }

@@ -68,9 +68,9 @@ thread_local bool t_holds_access = false;  // this thread holds access_mu for an
 
 void Engine::Impl::before_outside(const OpCall& call) {
   const std::string& name = ctx.params[static_cast<size_t>(call.ids.front())].name;
-  const bool own_step = busy.load() && step_thread.load() == std::this_thread::get_id();  // a before_step callback
+  const bool own_step = step_thread.load() == std::this_thread::get_id();  // a before_step callback
   if (!own_step) {
-    STRATA_CHECK(!busy.load(), "parameter ", name, " was used by ", call.op.schema().name(),
+    STRATA_CHECK(!busy(), "parameter ", name, " was used by ", call.op.schema().name(),
                  " on another thread while train_step or run is running; use parameters between steps, or "
                  "inside the step from the thread that runs it");
     access_mu.lock();
@@ -123,23 +123,20 @@ void Engine::Impl::after_outside(const OpCall& call) {
 }
 
 Engine::Impl::Busy::Busy(Impl& impl) : impl_(impl) {
-  STRATA_CHECK(!(impl.busy.load() && impl.step_thread.load() == std::this_thread::get_id()),
+  STRATA_CHECK(impl.step_thread.load() != std::this_thread::get_id(),
                "train_step, run, save, load and export_weights cannot be called from inside train_step or run "
                "(from the loss function or the before_step callback)");
   lock_ = std::unique_lock<std::mutex>(impl.access_mu);
   impl.step_thread = std::this_thread::get_id();
-  impl.busy = true;
   try {
     impl.access->absorb_replaced();  // torch::load, set_data: Note [Parameters between steps]
   } catch (...) {
-    impl.busy = false;
     impl.step_thread = std::thread::id{};
     throw;
   }
 }
 
 Engine::Impl::Busy::~Busy() {
-  impl_.busy = false;
   impl_.step_thread = std::thread::id{};
 }
 

@@ -90,8 +90,8 @@ struct Engine::Impl final : OpObserver {
   // while they run, on `step_thread`; an operator on a parameter outside
   // them holds it for the operator.
   std::mutex access_mu;
-  std::atomic<bool> busy{false};
-  std::atomic<std::thread::id> step_thread{};
+  std::atomic<std::thread::id> step_thread{};  // std::thread::id{} while no step runs
+  bool busy() const { return step_thread.load() != std::thread::id{}; }
   /// Holds the engine for a step, run, save or load on this thread, and
   /// takes in parameter data user code replaced since the last one.
   class Busy {

@@ -170,16 +170,6 @@ size_t OpHook::tracked() const {
   return tracked_.size();
 }
 
-void OpHook::managed_arguments(const c10::OperatorHandle& op, const std::vector<c10::IValue>& stack,
-                               std::vector<int64_t>& ids, std::vector<int64_t>& written) const {
-  Found f = find_managed(op, stack);
-  ids.clear();
-  written.clear();
-  if (f.hook != this) return;
-  ids = std::move(f.ids);
-  written = std::move(f.written);
-}
-
 OpHook::Scope::Scope(OpHook& hook) : include_(kHookKey), previous_(g_scoped.load()) {
   STRATA_CHECK(previous_ == nullptr || previous_ == &hook, "another OpHook is active in this process; "
                "one engine at a time can intercept operators");

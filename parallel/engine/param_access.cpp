@@ -23,19 +23,24 @@ std::vector<size_t> slots_of(const EngineContext& ctx, ChunkId c, const ManagedP
 
 }  // namespace
 
+ParamAccess::ParamAccess(EngineContext& ctx, GradSink& sink) : ctx_(ctx), sink_(sink) {
+  for (size_t i = 0; i < ctx.params.size(); ++i) {
+    by_tensor_[ctx.params[i].tensor.unsafeGetTensorImpl()] = i;  // the TensorImpl outlives set_data
+    by_name_[ctx.params[i].name] = i;
+  }
+}
+
 size_t ParamAccess::find(const torch::Tensor& t) const {
   STRATA_CHECK(t.defined(), "pass a parameter of the attached module, not an undefined tensor");
-  for (size_t i = 0; i < ctx_.params.size(); ++i) {
-    if (ctx_.params[i].tensor.unsafeGetTensorImpl() == t.unsafeGetTensorImpl()) return i;
-  }
+  const auto it = by_tensor_.find(t.unsafeGetTensorImpl());
+  if (it != by_tensor_.end()) return it->second;
   STRATA_FAIL("this tensor (", shape_text(t.sizes()), ") is not a trainable parameter of the attached module; pass "
               "the parameter itself (module->named_parameters()), not a view or a copy, or its name");
 }
 
 size_t ParamAccess::find(const std::string& name) const {
-  for (size_t i = 0; i < ctx_.params.size(); ++i) {
-    if (ctx_.params[i].name == name) return i;
-  }
+  const auto it = by_name_.find(name);
+  if (it != by_name_.end()) return it->second;
   STRATA_FAIL("no trainable parameter named \"", name, "\" (names as module.named_parameters() gives them; a tied "
               "parameter goes by its first name, frozen ones are not managed)");
 }

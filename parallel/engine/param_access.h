@@ -5,6 +5,7 @@
 // set_data), and the gradients between backward and the optimizer step.
 
 #include <string>
+#include <unordered_map>
 
 #include "context.h"
 
@@ -47,7 +48,8 @@ class GradSink;
 // null, and torch::save fails (LibTorch says "invalid parameter").
 class ParamAccess {
  public:
-  ParamAccess(EngineContext& ctx, GradSink& sink) : ctx_(ctx), sink_(sink) {}
+  /// After the parameters are collected (ctx.params fixed for the engine's life).
+  ParamAccess(EngineContext& ctx, GradSink& sink);
 
   /// The managed parameter `t` is (the same tensor object), or an error naming what to pass.
   size_t find(const torch::Tensor& t) const;
@@ -82,6 +84,8 @@ class ParamAccess {
 
   EngineContext& ctx_;
   GradSink& sink_;
+  std::unordered_map<const c10::TensorImpl*, size_t> by_tensor_;
+  std::unordered_map<std::string, size_t> by_name_;
   bool grads_open_ = false;
   double grad_factor_ = 1.0;
 };

@@ -39,9 +39,7 @@ void Residency::on_placed(const memory::Chunk& c, std::optional<Tier> tier, void
   for (size_t i : it->second) {
     ManagedParam& p = ctx_.params[i];
     if (!p.storage) continue;  // still being attached
-    // Note [Parameters between steps]: on the emulated device the host tier is addressable too.
-    const bool addressable = tier == Tier::kDevice || (tier == Tier::kHost && ctx_.device.is_cpu());
-    void* slot = addressable ? static_cast<char*>(ptr) + p.offset * ctx_.elem_size() : nullptr;
+    void* slot = ctx_.addressable(tier) ? static_cast<char*>(ptr) + p.offset * ctx_.elem_size() : nullptr;
     p.storage->set_data_ptr_noswap(c10::DataPtr(slot, ctx_.device));
   }
 }

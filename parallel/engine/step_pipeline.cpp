@@ -68,6 +68,7 @@ void StepPipeline::read_state_early() {
 kernels::GradStats StepPipeline::grad_stats() {
   memory::ChunkManager& mgr = *ctx_.mgr;
   kernels::GradStats total;
+  double replicated = 0.0;  // Note [Clipping across the tensor group]
   std::vector<offload::CopyTicket> ahead;
   for (size_t i = 0; i < ctx_.families.size(); ++i) {
     const ChunkId gc = ctx_.step_grad(ctx_.families[i]);
@@ -80,10 +81,10 @@ kernels::GradStats StepPipeline::grad_stats() {
       ctx_.read_ahead({ctx_.step_grad(ctx_.families[i + 1])}, ahead, /*only_into_free=*/true);
     }
     total.merge(kernels::grad_stats(mgr.data(gc), ctx_.options.precision, mgr.chunk(gc).capacity_elems()));
+    if (ctx_.tensor_group != nullptr) replicated += replicated_sum_sq(ctx_.families[i]);  // while it is pinned
     ctx_.unpin(gc, slots);
   }
   EngineContext::settle(ahead);
-  double replicated = ctx_.tensor_group != nullptr ? replicated_sum_sq() : 0.0;
   if (ctx_.stage >= 2) {
     const std::vector<double> all =
         all_gather_values(*ctx_.comm, {total.sum_sq, total.finite ? 0.0 : 1.0, replicated});
@@ -115,27 +116,18 @@ kernels::GradStats StepPipeline::grad_stats() {
 // replicated parameters' once: each rank contributes its chunks' sum minus
 // (1 - 1/P) of its replicated part, and the contributions are summed over
 // the tensor group (one small all-gather, after the data-parallel one).
-double StepPipeline::replicated_sum_sq() {
+double StepPipeline::replicated_sum_sq(memory::FamilyId f) const {
+  const ChunkId gc = ctx_.step_grad(f);
   double sum = 0.0;
-  for (memory::FamilyId f : ctx_.families) {
-    const ChunkId gc = ctx_.step_grad(f);
-    if (!ctx_.mgr->chunk(gc).location()) continue;
-    std::vector<std::pair<int64_t, int64_t>> ranges;
-    for (size_t i : ctx_.params_of_chunk[ctx_.mgr->family(f).param]) {
-      const ManagedParam& p = ctx_.params[i];
-      if (p.split || !p.has_grad) continue;
-      // Stages 2-3 hold this rank's part of the gradient; before, all of it.
-      ranges.push_back(ctx_.stage >= 2 ? ctx_.owned(p) : std::make_pair(p.offset, p.offset + p.numel));
-    }
-    if (ranges.empty()) continue;
-    ctx_.with_on_host({gc}, [&] {
-      for (const auto& [begin, end] : ranges) {
-        if (begin >= end) continue;
-        const torch::Tensor g = torch::from_blob(ctx_.at(gc, begin), {end - begin},
-                                                 torch::TensorOptions().dtype(ctx_.compute));
-        sum += g.to(torch::kFloat64).pow(2).sum().item<double>();
-      }
-    });
+  for (size_t i : ctx_.params_of_chunk.at(ctx_.mgr->family(f).param)) {
+    const ManagedParam& p = ctx_.params[i];
+    if (p.split || !p.has_grad) continue;
+    // Stages 2-3 hold this rank's part of the gradient; before, all of it.
+    const auto [begin, end] = ctx_.stage >= 2 ? ctx_.owned(p) : std::make_pair(p.offset, p.offset + p.numel);
+    if (begin >= end) continue;
+    const torch::Tensor g =
+        torch::from_blob(ctx_.at(gc, begin), {end - begin}, torch::TensorOptions().dtype(ctx_.compute));
+    sum += g.to(torch::kFloat64).pow(2).sum().item<double>();
   }
   return sum;
 }

@@ -60,8 +60,9 @@ class StepPipeline {
 
  private:
   kernels::GradStats grad_stats();
-  /// Sum of squares of the gradients of parameters no tensor-parallel layer split (this rank's part).
-  double replicated_sum_sq();
+  /// Sum of squares of family `f`'s gradients of parameters no tensor-parallel
+  /// layer split (this rank's part), its gradient chunk pinned on host.
+  double replicated_sum_sq(memory::FamilyId f) const;
   void update_family(size_t index, float grad_scale, const std::vector<float>& lrs,
                      const std::function<void()>& pinned_hook);
   void update_param(ManagedParam& p, const kernels::OptimSpans& spans, float grad_scale, float lr);

@@ -22,13 +22,11 @@
 
 #include "strata/core/error.h"
 #include "strata/parallel/sequence_parallel.h"
+#include "../tensor/group_function.h"
 
 namespace strata::parallel {
 
 namespace {
-
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
 
 constexpr uint32_t kRingTag = 0x5241;  // "RA"; ordering on the communicator pairs the hops
 
@@ -36,9 +34,9 @@ constexpr uint32_t kRingTag = 0x5241;  // "RA"; ordering on the communicator pai
 torch::Tensor hop(const torch::Tensor& x, Communicator& group, int step) {
   const int n = group.world_size(), r = group.rank();
   const int to = (r + step + n) % n, from = (r - step + n) % n;
-  torch::Tensor out_buf = x.detach().to(torch::kCPU, torch::kFloat32).contiguous();
+  const torch::Tensor out_buf = group_ops::host_buffer(x);
   torch::Tensor in_buf = torch::empty_like(out_buf);
-  const size_t bytes = static_cast<size_t>(out_buf.numel()) * sizeof(float);
+  const size_t bytes = out_buf.nbytes();
   if (r % 2 == 0) {
     group.send(out_buf.data_ptr(), bytes, to, kRingTag)->wait();
     group.recv(in_buf.data_ptr(), bytes, from, kRingTag)->wait();
@@ -49,16 +47,10 @@ torch::Tensor hop(const torch::Tensor& x, Communicator& group, int step) {
   return in_buf.to(x.device(), x.scalar_type());
 }
 
-struct RingHop : torch::autograd::Function<RingHop> {
-  static torch::Tensor forward(AutogradContext* ctx, Communicator* g, const torch::Tensor& x) {
-    ctx->saved_data["group"] = static_cast<int64_t>(reinterpret_cast<intptr_t>(g));
-    return hop(x, *g, +1);
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    auto* g = reinterpret_cast<Communicator*>(static_cast<intptr_t>(ctx->saved_data["group"].toInt()));
-    return {torch::Tensor(), hop(grads[0], *g, -1)};  // back to the rank it came from
-  }
-};
+torch::Tensor to_next(const torch::Tensor& x, Communicator& group) { return hop(x, group, +1); }
+torch::Tensor to_previous(const torch::Tensor& x, Communicator& group) { return hop(x, group, -1); }
+// A hop's gradient goes back to the rank the chunk came from.
+using RingHop = group_ops::GroupFunction<to_next, to_previous>;
 
 // Every rank's chunk of `x`, by the rank that holds it, through N - 1 hops.
 std::vector<torch::Tensor> around_the_ring(const torch::Tensor& x, Communicator& group) {

@@ -16,18 +16,15 @@
 #include "strata/core/error.h"
 #include "strata/parallel/sequence_parallel.h"
 #include "strata/parallel/tensor_collectives.h"
+#include "../tensor/group_function.h"
 
 namespace strata::parallel {
 
 namespace {
 
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
-
-// Block j of `blocks` [N, ...] to rank j, block j of the result from rank j (host, fp32/fp16).
+// Block j of `blocks` [N, ...] to rank j, block j of the result from rank j.
 torch::Tensor exchange(const torch::Tensor& blocks, Communicator& group) {
-  torch::Tensor in = blocks.detach().to(torch::kCPU).contiguous();
-  if (in.scalar_type() != torch::kFloat32 && in.scalar_type() != torch::kFloat16) in = in.to(torch::kFloat32);
+  const torch::Tensor in = group_ops::host_buffer(blocks);
   torch::Tensor out = torch::empty_like(in);
   all_to_all(group, in, out)->wait();
   return out.to(blocks.device(), blocks.scalar_type());
@@ -53,27 +50,9 @@ torch::Tensor to_sequence(const torch::Tensor& x, Communicator& group) {  // [B,
   return got.permute({1, 0, 2, 3, 4}).reshape({b, n * hn, s, d});
 }
 
-struct SequenceToHeads : torch::autograd::Function<SequenceToHeads> {
-  static torch::Tensor forward(AutogradContext* ctx, Communicator* g, const torch::Tensor& x) {
-    ctx->saved_data["group"] = static_cast<int64_t>(reinterpret_cast<intptr_t>(g));
-    return to_heads(x, *g);
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    auto* g = reinterpret_cast<Communicator*>(static_cast<intptr_t>(ctx->saved_data["group"].toInt()));
-    return {torch::Tensor(), to_sequence(grads[0], *g)};
-  }
-};
-
-struct HeadsToSequence : torch::autograd::Function<HeadsToSequence> {
-  static torch::Tensor forward(AutogradContext* ctx, Communicator* g, const torch::Tensor& x) {
-    ctx->saved_data["group"] = static_cast<int64_t>(reinterpret_cast<intptr_t>(g));
-    return to_sequence(x, *g);
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    auto* g = reinterpret_cast<Communicator*>(static_cast<intptr_t>(ctx->saved_data["group"].toInt()));
-    return {torch::Tensor(), to_heads(grads[0], *g)};
-  }
-};
+// Each all-to-all is the other's backward (Note [Ulysses]).
+using SequenceToHeads = group_ops::GroupFunction<to_heads, to_sequence>;
+using HeadsToSequence = group_ops::GroupFunction<to_sequence, to_heads>;
 
 }  // namespace
 

@@ -15,6 +15,7 @@
 #include "strata/core/error.h"
 #include "strata/parallel/tensor_collectives.h"
 #include "strata/parallel/tensor_parallel.h"
+#include "group_function.h"
 
 namespace strata::parallel {
 
@@ -23,28 +24,22 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-c10::IValue group_value(Communicator& g) { return c10::IValue(static_cast<int64_t>(reinterpret_cast<intptr_t>(&g))); }
-Communicator& group_of(AutogradContext* ctx) {
-  return *reinterpret_cast<Communicator*>(static_cast<intptr_t>(ctx->saved_data["group"].toInt()));
-}
+using group_ops::GroupFunction;
+using group_ops::host_buffer;
 
-// A host copy Gloo can move: fp32 or fp16, contiguous, owned.
-torch::Tensor host_copy(const torch::Tensor& x) {
-  torch::Tensor h = x.detach().to(torch::kCPU).contiguous().clone();
-  if (h.scalar_type() != torch::kFloat32 && h.scalar_type() != torch::kFloat16) h = h.to(torch::kFloat32);
-  return h;
-}
+torch::Tensor identity(const torch::Tensor& x, Communicator&) { return x; }
 
-torch::Tensor all_reduce_sum(const torch::Tensor& x, Communicator& group, ReduceOp op = ReduceOp::kSum) {
+torch::Tensor all_reduce_over(const torch::Tensor& x, Communicator& group, ReduceOp op = ReduceOp::kSum) {
   if (group.world_size() == 1) return x;
-  torch::Tensor h = host_copy(x);
+  torch::Tensor h = host_buffer(x);
   all_reduce(group, h, op)->wait();
   return h.to(x.device(), x.scalar_type());
 }
+torch::Tensor all_reduce_sum(const torch::Tensor& x, Communicator& group) { return all_reduce_over(x, group); }
 
 torch::Tensor all_gather_last(const torch::Tensor& x, Communicator& group) {
   if (group.world_size() == 1) return x;
-  torch::Tensor h = host_copy(x);
+  torch::Tensor h = host_buffer(x);
   std::vector<int64_t> shape{group.world_size()};
   for (int64_t s : h.sizes()) shape.push_back(s);
   torch::Tensor out = torch::empty(shape, h.options());
@@ -58,42 +53,11 @@ torch::Tensor own_slice_last(const torch::Tensor& x, Communicator& group) {
   return x.narrow(-1, begin, end - begin).contiguous();
 }
 
-struct CopyToGroup : torch::autograd::Function<CopyToGroup> {
-  static torch::Tensor forward(AutogradContext* ctx, Communicator* g, const torch::Tensor& x) {
-    ctx->saved_data["group"] = group_value(*g);
-    return x;
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return {torch::Tensor(), all_reduce_sum(grads[0], group_of(ctx))};
-  }
-};
-
-struct ReduceFromGroup : torch::autograd::Function<ReduceFromGroup> {
-  static torch::Tensor forward(AutogradContext* ctx, Communicator* g, const torch::Tensor& x) {
-    return all_reduce_sum(x, *g);
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) { return {torch::Tensor(), grads[0]}; }
-};
-
-struct ScatterToGroup : torch::autograd::Function<ScatterToGroup> {
-  static torch::Tensor forward(AutogradContext* ctx, Communicator* g, const torch::Tensor& x) {
-    ctx->saved_data["group"] = group_value(*g);
-    return own_slice_last(x, *g);
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return {torch::Tensor(), all_gather_last(grads[0], group_of(ctx))};
-  }
-};
-
-struct GatherFromGroup : torch::autograd::Function<GatherFromGroup> {
-  static torch::Tensor forward(AutogradContext* ctx, Communicator* g, const torch::Tensor& x) {
-    ctx->saved_data["group"] = group_value(*g);
-    return all_gather_last(x, *g);
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return {torch::Tensor(), own_slice_last(grads[0], group_of(ctx))};
-  }
-};
+// Note [Megatron's f and g]: each is the other's transpose.
+using CopyToGroup = GroupFunction<identity, all_reduce_sum>;          // f
+using ReduceFromGroup = GroupFunction<all_reduce_sum, identity>;      // g
+using ScatterToGroup = GroupFunction<own_slice_last, all_gather_last>;
+using GatherFromGroup = GroupFunction<all_gather_last, own_slice_last>;
 
 // Note [Cross-entropy over a split vocabulary]: loss_i = log sum_v exp(z_iv)
 // - z_i,t_i. Each rank holds columns [b, e) of z. The max (for stability), the
@@ -104,7 +68,7 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
                                const torch::Tensor& target) {
     const auto [begin, end] = slice_of(logits.size(-1) * g->world_size(), *g, "the vocabulary");
     const torch::Tensor z32 = logits.to(torch::kFloat32);
-    const torch::Tensor max = all_reduce_sum(std::get<0>(z32.max(-1)), *g, ReduceOp::kMax);
+    const torch::Tensor max = all_reduce_over(std::get<0>(z32.max(-1)), *g, ReduceOp::kMax);
     const torch::Tensor z = z32 - max.unsqueeze(-1);
     const torch::Tensor e = z.exp();
     const torch::Tensor sum = all_reduce_sum(e.sum(-1), *g);

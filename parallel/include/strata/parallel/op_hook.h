@@ -93,9 +93,6 @@ class OpHook {
     OpHook* previous_;
   };
 
-  /// The managed ids among the boxed arguments on top of `stack`, and those the operator writes.
-  void managed_arguments(const c10::OperatorHandle& op, const std::vector<c10::IValue>& stack,
-                         std::vector<int64_t>& ids, std::vector<int64_t>& written) const;
   OpObserver& observer() { return observer_; }
   /// Code that runs operators on tracked tensors without the hook (the engine's own copies).
   using Bypass = c10::impl::ExcludeDispatchKeyGuard;
