@@ -144,29 +144,56 @@ Engine::Impl::Busy::~Busy() {
 
 StepResult Engine::Impl::train_step(const std::function<torch::Tensor()>& loss_fn,
                                     const std::function<void()>& before_step) {
+  return run_step(
+      [&](double loss_scale) {
+        torch::Tensor loss = loss_fn();  // forward: operators through before_op/after_op
+        STRATA_CHECK(loss.defined() && loss.numel() == 1, "train_step's closure must return the loss as one number");
+        const double value = loss.item<double>();
+        final_backward();
+        // Backward: operators as in forward, gradients into the sink, reductions as families complete.
+        if (loss_scale != 1.0) {
+          (loss.to(torch::kFloat32) * loss_scale).backward();
+        } else {
+          loss.backward();
+        }
+        return value;
+      },
+      before_step);
+}
+
+void Engine::Impl::final_backward() {
+  STRATA_CHECK(step_thread.load() == std::this_thread::get_id() && in_passes_,
+               "final_backward() belongs inside train_step_passes, on its thread");
+  if (final_started_) return;
+  final_started_ = true;
+  if (tracing()) recorder->set_phase("backward");
+  if (reducer && boundary_) reducer->begin();
+  if (ctx.options.prefetch && boundary_) pipeline->read_state_early();
+}
+
+StepResult Engine::Impl::run_step(const std::function<double(double)>& passes,
+                                  const std::function<void()>& before_step) {
   Busy hold(*this);
   STRATA_CHECK(poisoned.empty(), poisoned);
   StepResult r;
   r.loss_scale = pipeline->loss_scale();
-  const bool boundary = (micro_steps + 1) % ctx.options.grad_accumulation == 0;
+  boundary_ = (micro_steps + 1) % ctx.options.grad_accumulation == 0;
+  final_started_ = false;
   try {
     if (recorder) recorder->begin_step();
     residency.begin_step();
     if (op_gathers) op_gathers->begin_step();
     {
       OpHook::Scope scope(*hook);
-      torch::Tensor loss = loss_fn();  // forward: operators through before_op/after_op
-      STRATA_CHECK(loss.defined() && loss.numel() == 1, "train_step's closure must return the loss as one number");
-      r.loss = loss.item<double>();
-      if (tracing()) recorder->set_phase("backward");
-      if (reducer && boundary) reducer->begin();
-      if (ctx.options.prefetch && boundary) pipeline->read_state_early();
-      // Backward: operators as in forward, gradients into the sink, reductions as families complete.
-      if (r.loss_scale != 1.0) {
-        (loss.to(torch::kFloat32) * r.loss_scale).backward();
-      } else {
-        loss.backward();
+      in_passes_ = true;
+      try {
+        r.loss = passes(r.loss_scale);
+      } catch (...) {
+        in_passes_ = false;
+        throw;
       }
+      in_passes_ = false;
+      final_backward_late();
     }
     residency.end_step();
     if (op_gathers) {
@@ -174,8 +201,8 @@ StepResult Engine::Impl::train_step(const std::function<torch::Tensor()>& loss_f
       op_gathers->finish_rounds();  // Note [Gathers agreed in rounds]: serve the others until all are done
       op_gathers->release_all();
     }
-    if (reducer && boundary) reducer->finish();
-    if (boundary && before_step) {
+    if (reducer && boundary_) reducer->finish();
+    if (boundary_ && before_step) {
       // The gradients the step applies, before clipping: Engine::grad().
       access->open_grads(1.0 / (ctx.options.grad_accumulation * ctx.world() * r.loss_scale));
       try {
@@ -201,6 +228,14 @@ StepResult Engine::Impl::train_step(const std::function<torch::Tensor()>& loss_f
   }
   if (recorder) recorder->end_step();
   return r;
+}
+
+// Passes that never called final_backward(): the reductions start now, after
+// every backward, and cover every family at finish().
+void Engine::Impl::final_backward_late() {
+  if (final_started_) return;
+  final_started_ = true;
+  if (reducer && boundary_) reducer->begin();
 }
 
 // Note [A train_step that throws]
@@ -289,6 +324,11 @@ StepResult Engine::train_step(const std::function<torch::Tensor()>& loss_fn) {
 StepResult Engine::train_step(const std::function<torch::Tensor()>& loss_fn, const std::function<void()>& before_step) {
   return impl_->train_step(loss_fn, before_step);
 }
+StepResult Engine::train_step_passes(const std::function<double(double loss_scale)>& passes,
+                                     const std::function<void()>& before_step) {
+  return impl_->run_step(passes, before_step);
+}
+void Engine::final_backward() { impl_->final_backward(); }
 torch::Tensor Engine::grad(const torch::Tensor& param) { return impl_->access->grad(impl_->access->find(param)); }
 torch::Tensor Engine::grad(const std::string& name) { return impl_->access->grad(impl_->access->find(name)); }
 void Engine::set_grad(const torch::Tensor& param, const torch::Tensor& value) {

@@ -53,6 +53,12 @@ struct Engine::Impl final : OpObserver {
 
   StepResult train_step(const std::function<torch::Tensor()>& loss_fn, const std::function<void()>& before_step);
   torch::Tensor run(const std::function<torch::Tensor()>& fn);
+  /// One step whose passes `passes` runs (Engine::train_step_passes);
+  /// train_step is one forward and one backward through it.
+  StepResult run_step(const std::function<double(double)>& passes, const std::function<void()>& before_step);
+  /// Inside the passes: the backward passes from here on end the
+  /// accumulation, so the data-parallel reductions start (Engine::final_backward).
+  void final_backward();
 
   // OpObserver: the components in the order an operator needs them.
   void before_op(const OpCall& call) override;
@@ -82,6 +88,11 @@ struct Engine::Impl final : OpObserver {
   };
   std::vector<ModuleState> module_state;
   int micro_steps = 0;
+  // The step run_step is in: whether it ends an accumulation, whether the
+  // final backward began, whether its passes are running.
+  bool boundary_ = false;
+  bool final_started_ = false;
+  bool in_passes_ = false;
   // A load that failed after it began changing chunks left the state mixed:
   // training refuses until a load succeeds (Note [Loading a checkpoint]).
   std::string poisoned;
@@ -114,6 +125,7 @@ struct Engine::Impl final : OpObserver {
   void land_writes(const OpCall& call);
   /// A train_step that threw: nothing stays pinned, gathered or half-reduced.
   void abandon_step() noexcept;
+  void final_backward_late();
 };
 
 /// Copies the tensors of a safetensors file into `module`'s parameters,

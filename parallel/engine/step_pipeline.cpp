@@ -105,6 +105,13 @@ kernels::GradStats StepPipeline::grad_stats() {
     total = kernels::GradStats{};
     for (int r = 0; r < tp.world_size(); ++r) total.merge({all[2 * r], all[2 * r + 1] == 0.0});
   }
+  if (ctx_.options.pipeline_group != nullptr && ctx_.options.pipeline_group->world_size() > 1) {
+    // Stages hold disjoint parameters: their squares add up, and one overflow skips every stage's step.
+    Communicator& pp = *ctx_.options.pipeline_group;
+    const std::vector<double> all = all_gather_values(pp, {total.sum_sq, total.finite ? 0.0 : 1.0});
+    total = kernels::GradStats{};
+    for (int r = 0; r < pp.world_size(); ++r) total.merge({all[2 * r], all[2 * r + 1] == 0.0});
+  }
   return total;
 }
 

@@ -77,6 +77,20 @@ class Engine {
   /// gradient reductions and the optimizer step: there grad() and set_grad()
   /// see the gradients the step will apply (logging, custom clipping).
   StepResult train_step(const std::function<torch::Tensor()>& loss_fn, const std::function<void()>& before_step);
+  /// A step whose forward and backward passes `passes` runs itself, under
+  /// the operator hook: a pipeline schedule's microbatches, a backward from
+  /// gradients another process sent (torch::autograd::backward(outputs,
+  /// grads)). `passes` gets the loss scale its backward passes multiply the
+  /// loss by (1 unless fp16) and returns the loss to report. Gradients of all
+  /// its backward passes add up; the optimizer step follows on accumulation
+  /// boundaries, as with train_step (which is one forward and one backward
+  /// through this).
+  StepResult train_step_passes(const std::function<double(double loss_scale)>& passes,
+                               const std::function<void()>& before_step = nullptr);
+  /// Inside train_step_passes, before its last backward pass: the
+  /// data-parallel gradient reductions then overlap that pass. Without the
+  /// call they start after `passes` returns.
+  void final_backward();
   /// In train_step's before_step callback: the fp32 gradient of trainable
   /// parameter `param` (the tensor itself, or its name) that the optimizer
   /// step will apply, unscaled and averaged over micro-steps and ranks,

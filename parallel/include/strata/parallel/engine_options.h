@@ -10,6 +10,8 @@
 
 namespace strata::parallel {
 
+class Communicator;
+
 struct AdamWConfig {
   float lr = 1e-3f;
   float beta1 = 0.9f;
@@ -79,6 +81,11 @@ struct EngineOptions {
   /// A safetensors file whose tensors initialise the module's parameters at
   /// attach, matched by named_parameters() name (STRATA_INIT_WEIGHTS).
   std::string init_weights;
+  /// Pipeline parallel: the pipeline group, over which the gradient norm
+  /// and the overflow flag are summed, so every stage clips by the model's
+  /// norm and skips the same steps (pipeline::Pipeline::attach sets it). Not
+  /// owned; it must outlive the engine.
+  Communicator* pipeline_group = nullptr;
 
   /// `base` with every option the environment sets replaced:
   /// STRATA_DEVICE_BUDGET, STRATA_HOST_BUDGET, STRATA_NVME_BUDGET (sizes such

@@ -1,0 +1,571 @@
+// Pipeline parallelism: stages, links and the schedule runner (pipeline.h).
+#include "strata/parallel/pipeline.h"
+
+#include <fmt/format.h>
+
+#include <chrono>
+#include <cmath>
+#include <deque>
+#include <filesystem>
+#include <limits>
+#include <map>
+#include <optional>
+
+#include "split_backward.h"
+#include "strata/core/error.h"
+#include "strata/parallel/communicator.h"
+
+namespace strata::parallel::pipeline {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+// An activation's shape and dtype ahead of it: fixed size.
+constexpr int kMaxDims = 14;
+struct Header {
+  int64_t dtype = 0;
+  int64_t ndim = 0;
+  int64_t dims[kMaxDims] = {};
+};
+
+Header header_of(const torch::Tensor& t, int stage) {
+  STRATA_CHECK(t.dim() <= kMaxDims, "stage ", stage, "'s output has ", t.dim(), " dimensions; at most ", kMaxDims,
+               " travel between stages");
+  Header h;
+  h.dtype = static_cast<int64_t>(t.scalar_type());
+  h.ndim = t.dim();
+  for (int64_t i = 0; i < t.dim(); ++i) h.dims[i] = t.size(i);
+  return h;
+}
+
+bool same(const Header& a, const Header& b) {
+  if (a.dtype != b.dtype || a.ndim != b.ndim) return false;
+  for (int64_t i = 0; i < a.ndim; ++i) {
+    if (a.dims[i] != b.dims[i]) return false;
+  }
+  return true;
+}
+
+torch::Tensor empty_of(const Header& h) {
+  return torch::empty(std::vector<int64_t>(h.dims, h.dims + h.ndim),
+                      torch::TensorOptions().dtype(static_cast<torch::ScalarType>(h.dtype)));
+}
+
+std::string shape_string(const Header& h) {
+  std::string s = "[";
+  for (int64_t i = 0; i < h.ndim; ++i) s += fmt::format("{}{}", i ? ", " : "", h.dims[i]);
+  return s + "] " + std::string(c10::toString(static_cast<torch::ScalarType>(h.dtype)));
+}
+
+// Tags: two per (stage, microbatch), the header's and the payload's.
+uint32_t tag_of(int stage, int mb, int m, bool header) {
+  return static_cast<uint32_t>((static_cast<int64_t>(stage) * m + mb) * 2 + (header ? 1 : 0)) & 0x7fffffffu;
+}
+
+// This rank's stages as one module to attach.
+struct StagesModule : torch::nn::Module {};
+
+}  // namespace
+
+std::vector<double> parameter_costs(torch::nn::Sequential& model) {
+  std::vector<double> costs;
+  for (const auto& layer : model->children()) {
+    double n = 0;
+    for (const auto& p : layer->parameters()) n += static_cast<double>(p.numel());
+    costs.push_back(n);
+  }
+  return costs;
+}
+
+struct Pipeline::Impl {
+  // One direction of one link (Note [Pipeline links]).
+  struct Channel {
+    std::unique_ptr<Communicator> comm;
+    int peer = 0;  // the other end, in comm's numbering
+  };
+  // A microbatch's state on one of this rank's stages, from forward to its last backward pass.
+  struct Pass {
+    torch::Tensor input;   // the received activation (a leaf needing grad) or the microbatch itself
+    torch::Tensor output;  // the stage's output (kept for backward), or the weighted, scaled loss
+    std::optional<SplitBackward> split;
+  };
+  struct Pending {  // a receive posted ahead
+    int stage, mb;
+    bool grad;
+    torch::Tensor buffer;
+    WorkHandle work;
+  };
+
+  std::shared_ptr<Communicator> group;
+  PipelineOptions options;
+  int p = 1, r = 0, v = 1, S = 1, m = 1;
+  std::vector<int> bounds;
+  std::shared_ptr<StagesModule> holder = std::make_shared<StagesModule>();
+  std::map<int, torch::nn::Sequential> stage_modules;  // by virtual stage
+  std::vector<Action> actions;
+  size_t last_grad_action = 0;  // where the final backward begins
+  std::unique_ptr<Engine> engine;
+
+  // Links: `out` carries this rank's outputs to rank r+1 (and their gradients
+  // back), `in` the inputs from rank r-1.
+  Channel out_act, out_grad, in_act, in_grad;
+  bool has_out = false, has_in = false;
+
+  // Note [Pipeline links]: shapes known for this batch signature.
+  std::vector<double> signature;
+  bool headers_known = false;
+  std::map<std::pair<int, int>, Header> act_shapes;    // (stage the activation enters, mb): received
+  std::map<std::pair<int, int>, Header> sent_shapes;   // (stage that produced it, mb): sent
+  std::vector<std::pair<WorkHandle, torch::Tensor>> sends;
+  std::deque<std::pair<int, int>> act_order, grad_order;  // receives still to come this step, in order
+  std::optional<Pending> act_ahead, grad_ahead;
+  std::map<std::pair<int, int>, Pass> passes;
+  int64_t bytes = 0;
+  double waited = 0.0;  // seconds in receives this step
+  Timing timing;
+
+  Impl(std::shared_ptr<Communicator> g, PipelineOptions o) : group(std::move(g)), options(o) {
+    STRATA_CHECK(group != nullptr, "a pipeline needs its group's communicator");
+    p = group->world_size();
+    r = group->rank();
+    v = options.virtual_stages;
+    m = options.microbatches;
+    check_schedule(options.schedule, p, v, m);
+    S = p * v;
+  }
+
+  void add_stage(int s, torch::nn::Sequential seq) {
+    STRATA_CHECK(seq->size() > 0, "stage ", s, " is empty: every stage needs at least one layer");
+    holder->register_module("stage" + std::to_string(s), seq);
+    stage_modules.emplace(s, std::move(seq));
+  }
+
+  void plan() {
+    std::vector<std::vector<Action>> all;
+    for (int q = 0; q < p; ++q) all.push_back(schedule_actions(options.schedule, q, p, v, m));
+    const SimulatedStep sim = simulate(all, p, v, ActionCosts{});
+    STRATA_CHECK(sim.completes, "internal: the ", schedule_name(options.schedule), " schedule for ", p,
+                 " ranks and ", m, " microbatches would hang: ", sim.stuck);
+    actions = all[r];
+    for (size_t i = 0; i < actions.size(); ++i) {
+      if (actions[i].kind != ActionKind::kForward && actions[i].kind != ActionKind::kBackwardInput) last_grad_action = i;
+    }
+    connect();
+  }
+
+  // Every link's two channels, split in link order so no rank waits on one that waits on it.
+  void connect() {
+    const bool wrap = v > 1;
+    const int links = wrap ? p : p - 1;
+    for (int l = 0; l < links && p > 1; ++l) {
+      const int a = l, b = (l + 1) % p;
+      if (r != a && r != b) continue;
+      auto act = group->split({a, b}, fmt::format("strata-pp-act-{}-{}", a, b));
+      auto grad = group->split({a, b}, fmt::format("strata-pp-grad-{}-{}", a, b));
+      if (r == a) {
+        out_act = {std::move(act), 1};
+        out_grad = {std::move(grad), 1};
+        has_out = true;
+      } else {
+        in_act = {std::move(act), 0};
+        in_grad = {std::move(grad), 0};
+        has_in = true;
+      }
+    }
+  }
+
+  bool first_stage(int s) const { return s == 0; }
+  bool last_stage(int s) const { return s == S - 1; }
+
+  // --- sends and receives --------------------------------------------------
+
+  void send(Channel& c, const torch::Tensor& t, uint32_t tag) {
+    torch::Tensor owned = t.contiguous();
+    const size_t n = static_cast<size_t>(owned.numel()) * owned.element_size();
+    sends.emplace_back(c.comm->send(owned.data_ptr(), n, c.peer, tag), owned);
+    bytes += static_cast<int64_t>(n);
+  }
+
+  void send_activation(int stage, int mb, const torch::Tensor& y) {
+    STRATA_CHECK(y.is_floating_point(), "stage ", stage, "'s output is ", y.scalar_type(),
+                 ": what passes between stages must be a floating tensor, to carry gradients back");
+    const Header h = header_of(y, stage);
+    auto known = sent_shapes.find({stage, mb});
+    if (headers_known && known != sent_shapes.end()) {
+      STRATA_CHECK(same(known->second, h), "stage ", stage, "'s output for microbatch ", mb, " is ",
+                   shape_string(h), " where the same batch shape gave ", shape_string(known->second),
+                   " before: a stage's output shape must follow from the batch's");
+    } else {
+      auto hb = torch::from_blob(const_cast<Header*>(&h), {static_cast<int64_t>(sizeof(Header))}, torch::kUInt8).clone();
+      send(out_act, hb, tag_of(stage, mb, m, true));
+      sent_shapes[{stage, mb}] = h;
+    }
+    send(out_act, y.detach(), tag_of(stage, mb, m, false));
+  }
+
+  // Posts the next receive on a channel when its shape is known.
+  void post_ahead(bool grad) {
+    std::optional<Pending>& ahead = grad ? grad_ahead : act_ahead;
+    std::deque<std::pair<int, int>>& order = grad ? grad_order : act_order;
+    if (ahead || order.empty()) return;
+    const auto [stage, mb] = order.front();
+    Header h;
+    if (grad) {
+      auto it = sent_shapes.find({stage - 1, mb});  // the activation this rank sent
+      if (it == sent_shapes.end()) return;
+      h = it->second;
+    } else {
+      auto it = act_shapes.find({stage, mb});
+      if (it == act_shapes.end()) return;  // its header has not come yet
+      h = it->second;
+    }
+    Channel& c = grad ? out_grad : in_act;
+    Pending pend{stage, mb, grad, empty_of(h), nullptr};
+    pend.work = c.comm->recv(pend.buffer.data_ptr(), static_cast<size_t>(pend.buffer.numel()) * pend.buffer.element_size(),
+                             c.peer, tag_of(grad ? stage : stage - 1, mb, m, false) ^ (grad ? 0x40000000u : 0u));
+    order.pop_front();
+    ahead = std::move(pend);
+  }
+
+  torch::Tensor take(bool grad, int stage, int mb) {
+    std::optional<Pending>& ahead = grad ? grad_ahead : act_ahead;
+    if (!ahead) {
+      if (!grad && (!headers_known || !act_shapes.count({stage, mb}))) {
+        Header h;
+        const auto t0 = Clock::now();
+        in_act.comm->recv(&h, sizeof(Header), in_act.peer, tag_of(stage - 1, mb, m, true))->wait();
+        waited += seconds_since(t0);
+        STRATA_CHECK(h.ndim >= 0 && h.ndim <= kMaxDims, "a corrupt activation header from rank ", (r + p - 1) % p);
+        act_shapes[{stage, mb}] = h;
+      }
+      post_ahead(grad);
+    }
+    STRATA_CHECK(ahead && ahead->stage == stage && ahead->mb == mb, "internal: pipeline receives out of order at stage ",
+                 stage, " microbatch ", mb);
+    Pending got = std::move(*ahead);
+    ahead.reset();
+    const auto t0 = Clock::now();
+    try {
+      got.work->wait();
+    } catch (const std::exception& e) {
+      STRATA_FAIL("pipeline rank ", r, " (stage ", grad ? stage - 1 : stage, ") waiting for the ",
+                  grad ? "gradient" : "activation", " of microbatch ", mb, " from pipeline rank ",
+                  grad ? (r + 1) % p : (r + p - 1) % p, ": ", e.what());
+    }
+    waited += seconds_since(t0);
+    post_ahead(grad);
+    return got.buffer;
+  }
+
+  // --- the actions ---------------------------------------------------------
+
+  std::vector<torch::Tensor> micro_inputs, micro_targets;
+  std::vector<double> weights, losses;
+  double loss_scale = 1.0;
+  const LossFn* loss_fn = nullptr;
+  bool training = true;
+
+  void forward(int s, int mb, std::vector<torch::Tensor>* outputs) {
+    Pass pass;
+    if (first_stage(s)) {
+      pass.input = micro_inputs[mb];
+    } else {
+      pass.input = take(false, s, mb);
+      if (training) pass.input.requires_grad_(true);
+    }
+    torch::Tensor y = stage_modules.at(s)->forward(pass.input);
+    if (last_stage(s)) {
+      if (!training) {
+        outputs->push_back(y);
+        return;
+      }
+      torch::Tensor loss = (*loss_fn)(y, micro_targets[mb]);
+      STRATA_CHECK(loss.defined() && loss.numel() == 1, "the pipeline's loss function must return one number");
+      losses[mb] = loss.item<double>() * weights[mb];
+      pass.output = loss.to(torch::kFloat32) * (weights[mb] * loss_scale);
+    } else {
+      send_activation(s, mb, y);
+      pass.output = y;
+    }
+    if (training) passes[{s, mb}] = std::move(pass);
+  }
+
+  void send_input_grad(int s, int mb, const Pass& pass, torch::Tensor g) {
+    if (first_stage(s)) return;
+    if (!g.defined()) g = torch::zeros_like(pass.input);  // the output did not depend on the input
+    send(in_grad, g.detach(), tag_of(s, mb, m, false) ^ 0x40000000u);
+  }
+
+  void backward(const Action& a) {
+    const int s = a.stage, mb = a.microbatch;
+    auto it = passes.find({s, mb});
+    STRATA_CHECK(it != passes.end(), "internal: backward of stage ", s, " microbatch ", mb, " before its forward");
+    Pass& pass = it->second;
+    if (a.kind == ActionKind::kBackwardWeight) {
+      pass.split->weight_pass();
+      passes.erase(it);
+      return;
+    }
+    torch::Tensor grad = last_stage(s) ? torch::ones_like(pass.output) : take(true, s + 1, mb);
+    if (a.kind == ActionKind::kBackwardInput) {
+      pass.split.emplace();
+      torch::Tensor gx = pass.split->input_pass(pass.output, grad, pass.input);
+      send_input_grad(s, mb, pass, gx);
+      return;
+    }
+    torch::autograd::backward({pass.output}, {grad});
+    send_input_grad(s, mb, pass, first_stage(s) ? torch::Tensor() : pass.input.grad());
+    passes.erase(it);
+  }
+
+  // Agrees on the batch with the other stages (Note [Pipeline links]) and splits it into microbatches.
+  void begin_step(const torch::Tensor& inputs, const torch::Tensor& targets) {
+    constexpr int kSig = 2 + kMaxDims + 1;
+    std::vector<double> mine(kSig, 0.0);
+    if (r == 0) {
+      STRATA_CHECK(inputs.defined(), "the first stage's rank needs the batch's inputs");
+      STRATA_CHECK(inputs.dim() >= 1 && inputs.dim() <= kMaxDims, "the inputs need a batch dimension");
+      mine[0] = 1;
+      mine[1] = static_cast<double>(inputs.scalar_type());
+      mine[2] = static_cast<double>(inputs.dim());
+      for (int64_t i = 0; i < inputs.dim(); ++i) mine[3 + i] = static_cast<double>(inputs.size(i));
+    }
+    if (r == p - 1 && training) {
+      STRATA_CHECK(targets.defined() && targets.dim() >= 1, "the last stage's rank needs the batch's targets");
+      mine[kSig - 1] = static_cast<double>(targets.size(0));
+    }
+    std::vector<double> all = p > 1 ? all_gather_values(*group, mine) : mine;
+    std::vector<double> sig(all.begin(), all.begin() + kSig);
+    const int64_t batch = static_cast<int64_t>(sig[3]);
+    if (training) {
+      const int64_t target_batch = static_cast<int64_t>(all[(p - 1) * kSig + kSig - 1]);
+      STRATA_CHECK(target_batch == batch, "the targets hold ", target_batch, " samples but the inputs ", batch,
+                   ": both need the whole batch");
+    }
+    STRATA_CHECK(batch >= m, "a batch of ", batch, " samples cannot make ", m,
+                 " microbatches: use a batch of at least ", m, " or fewer microbatches");
+    sig[kSig - 1] = 0;  // the targets' part: checked, not part of the shapes
+    if (sig != signature) {
+      signature = sig;
+      headers_known = false;
+      act_shapes.clear();
+      sent_shapes.clear();
+    }
+    // Microbatch k gets batch/m samples, and the first batch%m one more (tensor_split).
+    weights.assign(m, 0.0);
+    losses.assign(m, 0.0);
+    for (int k = 0; k < m; ++k) weights[k] = static_cast<double>(batch / m + (k < batch % m ? 1 : 0)) / batch;
+    micro_inputs.clear();
+    micro_targets.clear();
+    if (r == 0) micro_inputs = torch::tensor_split(inputs, m, 0);
+    if (r == p - 1 && training) micro_targets = torch::tensor_split(targets, m, 0);
+    // The receives this step, in the order the actions take them.
+    act_order.clear();
+    grad_order.clear();
+    for (const Action& a : actions) {
+      if (a.kind == ActionKind::kForward && !first_stage(a.stage)) act_order.push_back({a.stage, a.microbatch});
+      if (training && (a.kind == ActionKind::kBackward || a.kind == ActionKind::kBackwardInput) && !last_stage(a.stage)) {
+        grad_order.push_back({a.stage + 1, a.microbatch});
+      }
+    }
+    bytes = 0;
+  }
+
+  void end_step() {
+    std::exception_ptr failure;
+    for (auto& [work, t] : sends) {
+      try {
+        work->wait();
+      } catch (...) {
+        if (!failure) failure = std::current_exception();
+      }
+    }
+    sends.clear();
+    passes.clear();
+    act_ahead.reset();
+    grad_ahead.reset();
+    if (failure) std::rethrow_exception(failure);
+    headers_known = true;
+  }
+
+  // Sends that completed give their buffers back.
+  void sweep() {
+    size_t keep = 0;
+    for (size_t i = 0; i < sends.size(); ++i) {
+      if (sends[i].first->done()) {
+        sends[i].first->wait();  // rethrows a failed send
+      } else {
+        sends[keep++] = std::move(sends[i]);
+      }
+    }
+    sends.resize(keep);
+  }
+
+  double run_actions(double scale) {
+    loss_scale = scale;
+    double compute = 0.0;
+    waited = 0.0;
+    for (size_t i = 0; i < actions.size(); ++i) {
+      const Action& a = actions[i];
+      if (!training && a.kind != ActionKind::kForward) continue;
+      if (training && i == last_grad_action) engine->final_backward();
+      const auto t0 = Clock::now();
+      if (a.kind == ActionKind::kForward) {
+        forward(a.stage, a.microbatch, nullptr);
+      } else {
+        backward(a);
+      }
+      compute += seconds_since(t0);
+      sweep();
+    }
+    timing.compute = compute - waited;
+    double loss = 0.0;
+    for (double l : losses) loss += l;
+    return loss;
+  }
+};
+
+Pipeline::Pipeline(torch::nn::Sequential model, std::shared_ptr<Communicator> group, PipelineOptions options,
+                   std::vector<int> boundaries)
+    : impl_(std::make_unique<Impl>(std::move(group), options)) {
+  Impl& d = *impl_;
+  const int layers = static_cast<int>(model->size());
+  if (boundaries.empty()) {
+    boundaries = partition_balanced(parameter_costs(model), d.S);
+  }
+  STRATA_CHECK(static_cast<int>(boundaries.size()) == d.S + 1, "the partition gives ", boundaries.size(),
+               " boundaries; ", d.S, " stages need ", d.S + 1, " (0, .., ", layers, ")");
+  STRATA_CHECK(boundaries.front() == 0 && boundaries.back() == layers, "the partition must cover the model's ", layers,
+               " layers: it runs from ", boundaries.front(), " to ", boundaries.back());
+  for (int s = 0; s < d.S; ++s) {
+    STRATA_CHECK(boundaries[s] < boundaries[s + 1], "stage ", s, " of the partition is empty (layers ", boundaries[s],
+                 " to ", boundaries[s + 1], "): every stage needs at least one layer");
+  }
+  d.bounds = boundaries;
+  for (int c = 0; c < d.v; ++c) {
+    const int s = c * d.p + d.r;
+    torch::nn::Sequential seq;
+    for (int i = boundaries[s]; i < boundaries[s + 1]; ++i) seq->push_back(std::to_string(i), *(model->begin() + i));
+    d.add_stage(s, seq);
+  }
+  d.plan();
+}
+
+Pipeline::Pipeline(std::vector<torch::nn::Sequential> stages, std::shared_ptr<Communicator> group,
+                   PipelineOptions options)
+    : impl_(std::make_unique<Impl>(std::move(group), options)) {
+  Impl& d = *impl_;
+  STRATA_CHECK(static_cast<int>(stages.size()) == d.v, "a manual split gives each rank its ", d.v,
+               " stage module(s); rank ", d.r, " gave ", stages.size());
+  for (int c = 0; c < d.v; ++c) d.add_stage(c * d.p + d.r, stages[c]);
+  d.plan();
+}
+
+Pipeline::~Pipeline() = default;
+
+torch::nn::Module& Pipeline::module() { return *impl_->holder; }
+
+Engine& Pipeline::attach(OptimizerConfig optimizer, EngineOptions options, std::shared_ptr<Communicator> data_parallel) {
+  Impl& d = *impl_;
+  STRATA_CHECK(d.engine == nullptr, "this pipeline is attached already");
+  options.pipeline_group = d.group.get();
+  if (!options.trace_path.empty() && d.p > 1) {  // one trace per stage
+    const std::filesystem::path given(options.trace_path);
+    options.trace_path = (given.parent_path() / (given.stem().string() + ".stage" + std::to_string(d.r) +
+                                                 given.extension().string())).string();
+  }
+  d.engine = parallel::attach(*d.holder, std::move(optimizer), std::move(options), std::move(data_parallel));
+  return *d.engine;
+}
+
+Engine& Pipeline::engine() {
+  STRATA_CHECK(impl_->engine != nullptr, "attach the pipeline first (Pipeline::attach)");
+  return *impl_->engine;
+}
+
+StepResult Pipeline::step(const torch::Tensor& inputs, const torch::Tensor& targets, const LossFn& loss) {
+  Impl& d = *impl_;
+  Engine& e = engine();
+  const auto t0 = Clock::now();
+  d.training = true;
+  d.loss_fn = &loss;
+  d.begin_step(inputs, targets);
+  StepResult result;
+  try {
+    result = e.train_step_passes([&](double scale) {
+      const double l = d.run_actions(scale);
+      d.end_step();
+      return l;
+    });
+  } catch (...) {
+    d.sends.clear();
+    d.passes.clear();
+    d.act_ahead.reset();
+    d.grad_ahead.reset();
+    throw;
+  }
+  // The loss lives on the last stage: every rank reports it.
+  if (d.p > 1) {
+    const std::vector<double> all = all_gather_values(*d.group, {d.r == d.p - 1 ? result.loss : 0.0});
+    result.loss = all[d.p - 1];
+  }
+  d.timing.step = seconds_since(t0);
+  return result;
+}
+
+torch::Tensor Pipeline::forward(const torch::Tensor& inputs) {
+  Impl& d = *impl_;
+  d.training = false;
+  d.begin_step(inputs, torch::Tensor());
+  std::vector<torch::Tensor> outputs;
+  auto body = [&] {
+    torch::NoGradGuard no_grad;
+    for (const Action& a : d.actions) {
+      if (a.kind == ActionKind::kForward) d.forward(a.stage, a.microbatch, &outputs);
+    }
+    d.end_step();
+    return outputs.empty() ? torch::zeros({1}) : torch::cat(outputs, 0);
+  };
+  torch::Tensor out;
+  try {
+    out = d.engine ? d.engine->run(body) : body();
+  } catch (...) {
+    d.sends.clear();
+    d.act_ahead.reset();
+    throw;
+  }
+  return d.r == d.p - 1 && !outputs.empty() ? out : torch::Tensor();
+}
+
+void Pipeline::save(const std::string& dir) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (!fs::exists(dir)) fs::create_directories(dir, ec);
+  STRATA_CHECK(!ec && fs::is_directory(dir), "cannot make the pipeline checkpoint directory ", dir, ": ",
+               ec ? ec.message() : "a file of that name is in the way");
+  engine().save((fs::path(dir) / ("stage-" + std::to_string(impl_->r))).string());
+}
+
+void Pipeline::load(const std::string& dir) {
+  const std::string part = (std::filesystem::path(dir) / ("stage-" + std::to_string(impl_->r))).string();
+  STRATA_CHECK(std::filesystem::is_directory(part), "no checkpoint of pipeline rank ", impl_->r, " at ", part,
+               ": load a checkpoint Pipeline::save wrote with the same number of stages");
+  engine().load(part);
+}
+
+int Pipeline::rank() const { return impl_->r; }
+int Pipeline::num_ranks() const { return impl_->p; }
+int Pipeline::num_stages() const { return impl_->S; }
+std::vector<int> Pipeline::stages() const {
+  std::vector<int> s;
+  for (const auto& [k, _] : impl_->stage_modules) s.push_back(k);
+  return s;
+}
+const std::vector<int>& Pipeline::boundaries() const { return impl_->bounds; }
+int64_t Pipeline::bytes_sent() const { return impl_->bytes; }
+const std::vector<Action>& Pipeline::actions() const { return impl_->actions; }
+Pipeline::Timing Pipeline::last_timing() const { return impl_->timing; }
+
+}  // namespace strata::parallel::pipeline
