@@ -47,6 +47,7 @@
 #include "strata/core/error.h"
 #include "strata/parallel/communicator.h"
 #include "strata/parallel/engine.h"
+#include "strata/parallel/pipeline.h"
 
 namespace {
 
@@ -59,6 +60,80 @@ std::string env_or(const char* name, const std::string& fallback) {
   return v ? v : fallback;
 }
 
+// --pp: the model as layers cut into pipeline stages (gpt_layers), each rank
+// training its stage's parameters in its own chunks with budgets sized from
+// its own model state; ranks beyond --pp form the data axis.
+struct PipelineRun {
+  const torch::Tensor& corpus;
+  GptConfig mc;
+  strata::parallel::OptimizerConfig cfg;
+  strata::parallel::EngineOptions opts;
+  int steps, batch, pp, microbatches, virtual_stages;
+  std::string schedule, device_budget, host_budget, nvme_budget, nvme_dir;
+};
+
+int train_pipeline(PipelineRun a) {
+  namespace sp = strata::parallel;
+  namespace pl = strata::parallel::pipeline;
+  const sp::Rendezvous rv = sp::Rendezvous::from_env();
+  STRATA_CHECK(rv.world_size % a.pp == 0, "--pp ", a.pp, " does not divide the ", rv.world_size,
+               " ranks: run strata run -n with a multiple of --pp");
+  std::shared_ptr<sp::Communicator> world = sp::make_gloo_communicator(rv);
+  const int dp = rv.world_size / a.pp;
+  sp::DeviceMesh mesh = sp::DeviceMesh::create(*world, {dp, a.pp, 1, 1});
+  const int dp_rank = mesh.coords[sp::DeviceMesh::kData];
+  std::shared_ptr<sp::Communicator> pipe_group(std::move(mesh.groups[sp::DeviceMesh::kPipeline]));
+  std::shared_ptr<sp::Communicator> data_group(std::move(mesh.groups[sp::DeviceMesh::kData]));
+  torch::manual_seed(0);
+  torch::nn::Sequential layers = strata::examples::gpt_layers(a.mc);
+  pl::PipelineOptions po;
+  po.schedule = pl::schedule_from_name(a.schedule);
+  po.microbatches = a.microbatches;
+  po.virtual_stages = a.virtual_stages;
+  pl::Pipeline pipe(layers, pipe_group, po);
+  const int64_t params = strata::examples::count_parameters(pipe.module());
+  const uint64_t state = static_cast<uint64_t>(params) * sp::model_state_bytes_per_param(a.opts.precision, a.cfg.state_count());
+  auto budget = [&](const std::string& s, double fraction) {
+    return s == "auto" ? strata::round_up(static_cast<uint64_t>(state * fraction), 4096) : strata::parse_bytes(s);
+  };
+  a.opts.budgets = {budget(a.device_budget, 0.25), budget(a.host_budget, 0.5), budget(a.nvme_budget, 2.0)};
+  a.opts.nvme_dir = a.nvme_dir + "/rank" + std::to_string(rv.rank);
+  if (!a.cfg.groups.empty()) a.cfg.groups = {sp::no_decay_group(pipe.module())};  // this stage's names
+  sp::Engine& engine = pipe.attach(a.cfg, a.opts, dp > 1 ? data_group : nullptr);
+  std::string mine;
+  for (int s : pipe.stages()) mine += fmt::format("{}{}", mine.empty() ? "" : ",", s);
+  fmt::print("pipeline {} of {} ranks ({} x dp {}), stage(s) {}, layers {}..{} of {}: {} parameters, model state {} "
+             "on budgets device {}, host {}, nvme {}; schedule {}, {} microbatches\n",
+             pipe.rank(), a.pp, a.pp, dp, mine, pipe.boundaries()[pipe.stages().front()],
+             pipe.boundaries()[pipe.stages().back() + 1] - 1, layers->size(), params, strata::format_bytes(state),
+             strata::format_bytes(a.opts.budgets.device), strata::format_bytes(a.opts.budgets.host),
+             strata::format_bytes(a.opts.budgets.nvme), a.schedule, a.microbatches);
+  torch::manual_seed(1 + dp_rank);  // each replica's own batches, the same on its stages
+  const auto start = std::chrono::steady_clock::now();
+  double first = 0, avg = 0;
+  for (int step = 1; step <= a.steps; ++step) {
+    const auto [x, y] = strata::examples::sample_batch(a.corpus, a.batch, a.mc.context);
+    const sp::StepResult r = pipe.step(x, y, strata::examples::gpt_loss);
+    if (step == 1) first = avg = r.loss;
+    avg = 0.95 * avg + 0.05 * r.loss;
+    if (rv.rank == 0 && (step % 25 == 0 || step == a.steps)) {
+      const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      fmt::print("step {}/{} loss {:.3f} tok/s {:.0f} (all replicas)\n", step, a.steps, avg,
+                 step * a.batch * a.mc.context * dp / secs);
+      std::fflush(stdout);
+    }
+  }
+  const mem::TierStats device = engine.chunks().tier_stats(mem::Tier::kDevice);
+  fmt::print("pipeline {}: device peak {} of budget {}; sent {} per step to neighbours\n", pipe.rank(),
+             strata::format_bytes(device.peak), strata::format_bytes(device.budget), strata::format_bytes(pipe.bytes_sent()));
+  fmt::print("loss {:.3f} -> {:.3f} over {} steps\n", first, avg, a.steps);
+  if (!(avg < first)) {
+    std::fprintf(stderr, "gpt: the smoothed loss did not fall (%.3f -> %.3f); exit status 1\n", first, avg);
+    return 1;
+  }
+  return 0;
+}
+
 int run(int argc, char** argv) {
   int steps = 120, batch = 16;
   GptConfig mc;
@@ -66,6 +141,8 @@ int run(int argc, char** argv) {
   int warmup = -1, schedule_steps = 0;
   std::string optimizer = "adamw", schedule = "cosine";
   bool decay_all = false;
+  int pp = 1, microbatches = 0, virtual_stages = 1;
+  std::string pp_schedule = "1f1b";
   // Engine options: the environment first, flags over it.
   strata::parallel::EngineOptions defaults;
   defaults.clip_norm = 1.0;
@@ -99,8 +176,18 @@ int run(int argc, char** argv) {
       ->check(CLI::IsMember({"adamw", "adam", "lion", "sgd"}));
   app.add_option("--weight-decay", weight_decay, "weight decay of the decayed group")->check(CLI::NonNegativeNumber & finite_number);
   app.add_option("--warmup", warmup, "linear warm-up steps; -1: a tenth of --steps")->check(CLI::Range(-1, 1 << 30));
-  app.add_option("--schedule", schedule, "decay after warm-up: cosine, linear or constant")
-      ->check(CLI::IsMember({"cosine", "linear", "constant"}));
+  app.add_option("--schedule", schedule,
+                 "decay after warm-up: cosine, linear or constant; or, with --pp, the pipeline schedule "
+                 "(gpipe, 1f1b, interleaved-1f1b, zb-h1; as --pp-schedule)")
+      ->check(CLI::IsMember({"cosine", "linear", "constant", "gpipe", "1f1b", "interleaved-1f1b", "zb-h1"}));
+  app.add_option("--pp", pp, "pipeline stages (ranks of strata run -n divided by --pp form the data axis)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--pp-schedule", pp_schedule, "pipeline schedule: gpipe, 1f1b, interleaved-1f1b or zb-h1")
+      ->check(CLI::IsMember({"gpipe", "1f1b", "interleaved-1f1b", "zb-h1"}));
+  app.add_option("--microbatches", microbatches, "microbatches per pipeline step; 0: twice --pp")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--virtual-stages", virtual_stages, "model chunks per rank (interleaved-1f1b)")
+      ->check(CLI::PositiveNumber);
   app.add_option("--schedule-steps", schedule_steps,
                  "the schedule's length in steps; 0: --steps (set it to stop early and --resume later on the same schedule)")
       ->check(CLI::NonNegativeNumber);
@@ -129,6 +216,12 @@ int run(int argc, char** argv) {
   bool baseline = false;
   app.add_flag("--baseline", baseline, "train with plain LibTorch and torch::optim::AdamW instead (for comparison)");
   CLI11_PARSE(app, argc, argv);
+  if (schedule != "cosine" && schedule != "linear" && schedule != "constant") {
+    pp_schedule = schedule;  // a pipeline schedule given as --schedule
+    schedule = "cosine";
+  }
+  if (microbatches == 0) microbatches = 2 * pp;
+  if (pp_schedule == "interleaved-1f1b" && virtual_stages == 1) virtual_stages = 2;
   opts.precision = strata::parse_dtype(precision);
   if (opts.precision == strata::DType::kFloat16 && !torch::cuda::is_available()) {
     // Debian's LibTorch 1.13 has almost no fp16 CPU kernels (docs/engine.md):
@@ -190,6 +283,10 @@ int run(int argc, char** argv) {
     fmt::print("plain LibTorch: {} steps, last loss {:.3f}, {:.0f} tok/s\n", steps, loss,
                steps * batch * mc.context / secs);
     return 0;
+  }
+  if (pp > 1) {
+    return train_pipeline({corpus, mc, cfg, opts, steps, batch, pp, microbatches, virtual_stages, pp_schedule,
+                           device_budget, host_budget, nvme_budget, nvme_dir});
   }
   // Under `strata run -n N` (or torchrun): data parallel over Gloo, each rank
   // on batches of its own. Saving and exporting are collective (every rank

@@ -67,6 +67,75 @@ torch::Tensor GptImpl::loss(const torch::Tensor& x, const torch::Tensor& y) {
   return torch::cross_entropy_loss(forward(x).view({-1, config.vocab}), y.reshape({-1}));
 }
 
+namespace {
+
+// GptImpl's initialisation: N(0, 0.02) matrices, zero vectors, LayerNorm as built.
+void init_like_gpt(torch::nn::Module& m) {
+  torch::NoGradGuard no_grad;
+  for (auto& p : m.named_parameters()) {
+    if (p.key().find("ln") != std::string::npos) continue;
+    if (p.value().dim() >= 2) {
+      p.value().normal_(0.0, 0.02);
+    } else {
+      p.value().zero_();
+    }
+  }
+}
+
+struct GptEmbeddingImpl : torch::nn::Module {
+  torch::nn::Embedding tok{nullptr}, pos{nullptr};
+  GptEmbeddingImpl(int vocab, int context, int dim) {
+    tok = register_module("tok", torch::nn::Embedding(vocab, dim));
+    pos = register_module("pos", torch::nn::Embedding(context, dim));
+  }
+  torch::Tensor forward(const torch::Tensor& idx) { return tok->forward(idx) + pos->forward(torch::arange(idx.size(1))); }
+};
+TORCH_MODULE(GptEmbedding);
+
+// A block that builds its own causal mask: one tensor in, one out.
+struct GptStageBlockImpl : torch::nn::Module {
+  GptBlock block{nullptr};
+  bool checkpointed;
+  GptStageBlockImpl(int dim, int heads, bool checkpoint) : checkpointed(checkpoint) {
+    block = register_module("block", GptBlock(dim, heads));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    const int64_t t = x.size(1);
+    const torch::Tensor mask = torch::ones({t, t}, torch::kBool).triu(1);
+    GptBlockImpl* b = block.get();
+    if (checkpointed) return strata::parallel::checkpoint([b, mask](const torch::Tensor& h) { return b->forward(h, mask); }, x);
+    return b->forward(x, mask);
+  }
+};
+TORCH_MODULE(GptStageBlock);
+
+struct GptHeadImpl : torch::nn::Module {
+  torch::nn::LayerNorm ln{nullptr};
+  torch::nn::Linear out{nullptr};
+  GptHeadImpl(int dim, int vocab) {
+    ln = register_module("ln", torch::nn::LayerNorm(torch::nn::LayerNormOptions({dim})));
+    out = register_module("out", torch::nn::Linear(torch::nn::LinearOptions(dim, vocab).bias(false)));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return out->forward(ln->forward(x)); }
+};
+TORCH_MODULE(GptHead);
+
+}  // namespace
+
+torch::nn::Sequential gpt_layers(const GptConfig& c) {
+  STRATA_CHECK(c.dim % c.heads == 0, "the model width (", c.dim, ") must be a multiple of the heads (", c.heads, ")");
+  torch::nn::Sequential s;
+  s->push_back(GptEmbedding(c.vocab, c.context, c.dim));
+  for (int i = 0; i < c.layers; ++i) s->push_back(GptStageBlock(c.dim, c.heads, c.checkpoint_blocks));
+  s->push_back(GptHead(c.dim, c.vocab));
+  init_like_gpt(*s);
+  return s;
+}
+
+torch::Tensor gpt_loss(const torch::Tensor& logits, const torch::Tensor& y) {
+  return torch::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), y.reshape({-1}));
+}
+
 int64_t count_parameters(torch::nn::Module& module) {
   int64_t n = 0;
   for (const auto& p : module.parameters()) n += p.numel();

@@ -45,6 +45,16 @@ struct GptImpl : torch::nn::Module {
 };
 TORCH_MODULE(Gpt);
 
+/// The same transformer as a torch::nn::Sequential of layers for pipeline
+/// parallelism (strata::parallel::pipeline): embedding (tokens and
+/// positions), the blocks, and a head (final norm and an output projection of
+/// its own: a pipeline cannot tie it to an embedding on another stage).
+/// Token ids [batch, time] in, logits [batch, time, vocab] out; initialised
+/// as GptImpl's.
+torch::nn::Sequential gpt_layers(const GptConfig& config);
+/// Mean cross-entropy of next-byte prediction from logits (the pipeline's loss).
+torch::Tensor gpt_loss(const torch::Tensor& logits, const torch::Tensor& y);
+
 int64_t count_parameters(torch::nn::Module& module);
 
 /// `path`, or Debian's fortunes-min corpus (/usr/share/games/fortunes) when

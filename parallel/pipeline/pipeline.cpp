@@ -271,6 +271,8 @@ struct Pipeline::Impl {
     Pass pass;
     if (first_stage(s)) {
       pass.input = micro_inputs[mb];
+      // Inputs that need a gradient: the first stage runs an input pass like the others; the gradient is dropped.
+      if (training && pass.input.requires_grad()) pass.input = pass.input.detach().requires_grad_(true);
     } else {
       pass.input = take(false, s, mb);
       if (training) pass.input.requires_grad_(true);

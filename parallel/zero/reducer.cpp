@@ -28,13 +28,37 @@ void GradientReducer::issue_ready() {
   }
 }
 
+// Pins `chunk` on host for a reduction. The reductions in flight hold host
+// memory (their full gradient chunks and shards, pinned): when the host
+// budget has no room, the oldest of them is waited for and settled (at
+// stages 2-3 that releases its full gradient chunk), and the pin tried
+// again; with none left in flight the error stands.
+void GradientReducer::pin_for_reduction(ChunkId chunk, const std::vector<size_t>& slots) {
+  for (;;) {
+    try {
+      ctx_.pin(chunk, Tier::kHost, slots);
+      return;
+    } catch (const Error&) {
+      size_t oldest = reductions_.size();
+      for (size_t q = reductions_.size(); q-- > 0;) {
+        if (reductions_[q]) {
+          oldest = q;
+          break;
+        }
+      }
+      if (oldest == reductions_.size()) throw;
+      settle(oldest);
+    }
+  }
+}
+
 void GradientReducer::issue(size_t pos) {
   const memory::ChunkFamily& fam = ctx_.mgr->family(ctx_.families[pos]);
   const ChunkId gc = fam.grad;
-  ctx_.pin(gc, Tier::kHost, ctx_.all_slots(gc));  // stays on host, unmoved, while the collective reads it
+  pin_for_reduction(gc, ctx_.all_slots(gc));  // stays on host, unmoved, while the collective reads it
   if (fam.grad_shard) {
     try {
-      ctx_.pin(*fam.grad_shard, Tier::kHost, {0});
+      pin_for_reduction(*fam.grad_shard, {0});
     } catch (...) {
       ctx_.unpin(gc, ctx_.all_slots(gc));
       throw;

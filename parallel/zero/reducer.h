@@ -49,6 +49,7 @@ class GradientReducer {
 
  private:
   void issue(size_t pos);
+  void pin_for_reduction(ChunkId chunk, const std::vector<size_t>& slots);
   void settle(size_t pos);
   void settle_done();
   void issue_ready();

@@ -78,7 +78,9 @@ class Pipeline {
   using LossFn = std::function<torch::Tensor(const torch::Tensor& output, const torch::Tensor& target)>;
   /// One training step over the whole batch, on every rank of the group:
   /// `inputs` matter on the first stage, `targets` on the last (either may
-  /// be undefined elsewhere). StepResult::loss is the batch's loss on every rank.
+  /// be undefined elsewhere). StepResult::loss is the batch's loss on every
+  /// rank. Inputs that require grad make the first stage compute its input
+  /// gradient, as every other stage does, but it is not kept.
   StepResult step(const torch::Tensor& inputs, const torch::Tensor& targets, const LossFn& loss);
   /// Forward only, every microbatch through the stages (evaluation, no
   /// gradients): the last stage's output, concatenated, on the last stage;
