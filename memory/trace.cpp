@@ -59,12 +59,14 @@ std::string trace_to_json(const Trace& t) {
                    {"seconds", o.seconds}, {"chunks", touches}, {"model_bytes", tiers_json(o.model_bytes)},
                    {"non_model_bytes", o.non_model_bytes}, {"non_model_peak", o.non_model_peak}, {"moves", moves},
                    {"started", started}, {"stall_seconds", o.stall_seconds}, {"stall_bytes", o.stall_bytes}});
+    if (!o.params.empty()) ops.back()["params"] = o.params;
   }
   json j = {{"format", "strata-trace"}, {"version", t.version}, {"device", t.device},
             {"non_model_source", t.non_model_source}, {"policy", t.policy}, {"prefetch", t.prefetch},
             {"nvme_optim_fraction", t.nvme_optim_fraction},
             {"budgets", tiers_json(t.budgets)},
             {"chunks", chunks}, {"steps", steps}, {"ops", ops}};
+  if (!t.params.empty()) j["params"] = t.params;
   return j.dump(1);
 }
 
@@ -94,6 +96,7 @@ Trace trace_from_json(const std::string& text) {
                           c.at("dtype").get<std::string>(), c.at("bytes").get<uint64_t>(),
                           c.at("capacity_elems").get<int64_t>(), c.at("used_elems").get<int64_t>()});
     }
+    if (j.contains("params")) t.params = j.at("params").get<std::vector<std::string>>();
     for (const json& s : j.at("steps")) {
       t.steps.push_back({s.at("index").get<int>(), s.at("first_op").get<int64_t>(), s.at("end_op").get<int64_t>(),
                          s.at("seconds").get<double>()});
@@ -120,6 +123,7 @@ Trace trace_from_json(const std::string& text) {
       }
       op.stall_seconds = o.at("stall_seconds").get<double>();
       op.stall_bytes = o.at("stall_bytes").get<uint64_t>();
+      if (o.contains("params")) op.params = o.at("params").get<std::vector<int64_t>>();
       t.ops.push_back(std::move(op));
     }
   } catch (const json::exception& e) {

@@ -28,6 +28,7 @@ TraceRecorder::TraceRecorder(const EngineContext& ctx, NonModelCounter& counter)
     trace_.chunks.push_back({c.id(), c.family(), memory::chunk_role_name(c.role()), dtype_name(c.dtype()),
                              c.alloc_bytes(), c.capacity_elems(), c.layout().used_elems});
   }
+  for (const ManagedParam& p : ctx.params) trace_.params.push_back(p.name);
   t0_ = Clock::now();
 }
 
@@ -73,6 +74,7 @@ void TraceRecorder::begin_op(const std::string& name, const std::vector<int64_t>
   current_.phase = recomputing() ? "recompute" : phase_;  // Note [Recomputing in backward]
   current_.start = since(t0_);
   current_.chunks = std::move(touches);
+  current_.params = ids;
   counter_.reset_peak();
   op_t0_ = Clock::now();
 }

@@ -7,6 +7,7 @@
 #include <tuple>
 
 #include "strata/core/error.h"
+#include "strata/memory/trace.h"
 #include "strata/parallel/pipeline_schedule.h"
 
 namespace strata::parallel::pipeline {
@@ -326,6 +327,78 @@ std::vector<int> partition_balanced(const std::vector<double>& costs, int parts)
   }
   bounds[0] = 0;
   return bounds;
+}
+
+namespace {
+
+// The first dot-separated part of `name` that is a number: its layer.
+int layer_of(const std::string& name) {
+  size_t begin = 0;
+  while (begin <= name.size()) {
+    const size_t end = std::min(name.find('.', begin), name.size());
+    const std::string part = name.substr(begin, end - begin);
+    if (!part.empty() && part.find_first_not_of("0123456789") == std::string::npos && part.size() < 9) {
+      return std::stoi(part);
+    }
+    begin = end + 1;
+  }
+  return -1;
+}
+
+}  // namespace
+
+LayerCosts trace_layer_costs(const std::string& trace_path, int layers) {
+  const memory::Trace t = memory::read_trace(trace_path);
+  STRATA_CHECK(!t.params.empty(), "the trace ", trace_path,
+               " names no parameters; record it again with this build (EngineOptions::trace_path)");
+  STRATA_CHECK(!t.steps.empty(), "the trace ", trace_path, " holds no step");
+  std::vector<int> layer(t.params.size(), -1);
+  bool any = false;
+  for (size_t i = 0; i < t.params.size(); ++i) {
+    layer[i] = layer_of(t.params[i]);
+    STRATA_CHECK(layer[i] < layers, "the trace's parameter ", t.params[i], " belongs to layer ", layer[i],
+                 " but the model has ", layers, " layers: was the trace recorded of this model?");
+    any = any || layer[i] >= 0;
+  }
+  STRATA_CHECK(any, "no parameter of the trace ", trace_path, " is named by its layer index (\"3.weight\"): record a "
+               "trace of the torch::nn::Sequential itself, or of its pipeline stages");
+  LayerCosts out;
+  out.seconds.assign(layers, 0.0);
+  out.activation_bytes.assign(layers, 0.0);
+  const memory::TraceStep& step = t.steps.back();
+  int current = 0;
+  double last_bytes = -1.0;
+  for (int64_t i = step.first_op; i < step.end_op; ++i) {
+    const memory::TraceOp& op = t.ops[static_cast<size_t>(i)];
+    if (op.phase == "optimizer") continue;
+    for (int64_t id : op.params) {
+      const int l = id >= 0 && id < static_cast<int64_t>(layer.size()) ? layer[static_cast<size_t>(id)] : -1;
+      if (l >= 0) {
+        current = l;
+        break;
+      }
+    }
+    out.seconds[current] += op.seconds;
+    const double bytes = static_cast<double>(op.non_model_bytes);
+    if (op.phase == "forward" && last_bytes >= 0) out.activation_bytes[current] += bytes - last_bytes;
+    last_bytes = bytes;
+  }
+  for (double& b : out.activation_bytes) b = std::max(0.0, b);
+  return out;
+}
+
+std::vector<double> mixed_costs(const LayerCosts& c, double memory_weight) {
+  STRATA_CHECK(memory_weight >= 0.0 && memory_weight <= 1.0, "the memory weight must be within 0 and 1, not ",
+               memory_weight);
+  double ts = 0, bs = 0;
+  for (double v : c.seconds) ts += v;
+  for (double v : c.activation_bytes) bs += v;
+  std::vector<double> out(c.seconds.size(), 0.0);
+  for (size_t i = 0; i < out.size(); ++i) {
+    out[i] = (1.0 - memory_weight) * (ts > 0 ? c.seconds[i] / ts : 0.0) +
+             memory_weight * (bs > 0 ? c.activation_bytes[i] / bs : 0.0);
+  }
+  return out;
 }
 
 }  // namespace strata::parallel::pipeline

@@ -179,3 +179,45 @@ TEST(SplitBackward, AFirstStageDefersItsWholeBackward) {
     EXPECT_TRUE(torch::allclose(item.value().grad(), want[item.key()].grad(), 1e-6, 1e-6)) << item.key();
   }
 }
+
+#include <filesystem>
+#include <unistd.h>
+
+#include "strata/parallel/engine.h"
+
+TEST(PipelinePartition, CostsPerLayerComeFromARecordedTrace) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("strata-pp-trace-" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  const std::string path = (dir / "trace.json").string();
+  torch::manual_seed(0);
+  torch::nn::Sequential model(torch::nn::Linear(32, 32), torch::nn::Linear(32, 1024), torch::nn::Linear(1024, 1024),
+                              torch::nn::Linear(1024, 32));
+  strata::parallel::EngineOptions o;
+  o.budgets = {64ull << 20, 128ull << 20, 0};
+  o.trace_path = path;
+  o.trace_steps = 2;
+  {
+    auto engine = strata::parallel::attach(*model, strata::parallel::AdamWConfig{}, o);
+    for (int s = 0; s < 2; ++s) {
+      const torch::Tensor x = torch::randn({256, 32});
+      engine->train_step([&] { return model->forward(x).pow(2).mean(); });
+    }
+  }
+  const pp::LayerCosts c = pp::trace_layer_costs(path, 4);
+  ASSERT_EQ(c.seconds.size(), 4u);
+  // The 1024 x 1024 layer does 32 times the first's work, and its output is 32 times wider.
+  EXPECT_GT(c.seconds[2], c.seconds[0]);
+  EXPECT_GT(c.activation_bytes[2], 4 * c.activation_bytes[0]);
+  EXPECT_GT(c.activation_bytes[1], 4 * c.activation_bytes[0]);
+  const std::vector<double> mixed = pp::mixed_costs(c, 0.5);
+  double sum = 0;
+  for (double v : mixed) sum += v;
+  EXPECT_NEAR(sum, 1.0, 1e-9);
+  const std::vector<int> bounds = pp::partition_balanced(mixed, 2);
+  EXPECT_EQ(bounds.front(), 0);
+  EXPECT_EQ(bounds.back(), 4);
+  // A model with fewer layers than the trace names: a clear error.
+  EXPECT_THROW(pp::trace_layer_costs(path, 2), strata::Error);
+  fs::remove_all(dir);
+}

@@ -17,6 +17,9 @@
 //   --empty-stage   a partition with an empty stage: the same
 //   --throw-at-step a layer of rank 1 throws at step K: rank 1 reports it,
 //                   the others fail at their timeout (STRATA_COMM_TIMEOUT)
+//   --overflow-at-step a layer of rank 1 sends an infinite gradient back at
+//                   step K: every stage skips that step (the overflow is
+//                   agreed across the stages), the reference skips it too
 //   --checkpoint    saves after 3 steps, trains 2 more; a fresh pipeline
 //                   loads the checkpoint and trains the same 2: bit for bit
 // Prints "rank R: pipeline (...) matches single-process training" or fails.
@@ -25,6 +28,7 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <limits>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -41,6 +45,7 @@ namespace pp = strata::parallel::pipeline;
 
 constexpr int64_t kDim = 48;
 int g_throw_at = -1;
+int g_overflow_at = -1;
 int g_step = 0;
 
 // A residual block: every layer of the model has parameters.
@@ -54,6 +59,12 @@ struct BlockImpl : torch::nn::Module {
   }
   torch::Tensor forward(const torch::Tensor& x) {
     if (may_throw && g_step == g_throw_at) throw std::runtime_error("a layer failed at step " + std::to_string(g_step));
+    if (may_throw && g_step == g_overflow_at && x.requires_grad()) {
+      // The gradient leaving this block for the earlier ones is infinite; this stage's own stay finite.
+      torch::Tensor y = x * 1.0;
+      y.register_hook([](torch::Tensor g) { return g * std::numeric_limits<float>::infinity(); });
+      return y + torch::tanh(fc->forward(norm->forward(x)));
+    }
     return x + torch::tanh(fc->forward(norm->forward(x)));
   }
 };
@@ -156,7 +167,7 @@ void train(const Run& run, const Options& opt, bool offload, const std::string& 
     }
     total.backward();
     torch::nn::utils::clip_grad_norm_(reference->parameters(), kClip);
-    adamw.step();
+    if (s != g_overflow_at) adamw.step();  // the pipeline skips that step on every stage
     StepResult r;
     if (opt.empty_stage || opt.bad_partition) STRATA_FAIL("internal: no training with a bad partition");
     try {
@@ -169,7 +180,12 @@ void train(const Run& run, const Options& opt, bool offload, const std::string& 
       }
       std::_Exit(1);
     }
-    STRATA_CHECK(r.stepped, label, ": step ", s, " was skipped");
+    if (s == g_overflow_at) {
+      STRATA_CHECK(!r.stepped && r.overflow, label, ": step ", s, " had an infinite gradient on an earlier stage but "
+                   "pipeline rank ", pipe.rank(), " did not skip it");
+    } else {
+      STRATA_CHECK(r.stepped, label, ": step ", s, " was skipped");
+    }
     const double want = ref_loss_mine.item<double>();
     STRATA_CHECK(std::fabs(r.loss - want) <= 1e-5 * std::max(1.0, std::fabs(want)), label, ": step ", s, " loss ",
                  r.loss, ", the reference's ", want);
@@ -222,6 +238,7 @@ int main(int argc, char** argv) {
     else if (a == "--bad-partition") opt.bad_partition = true;
     else if (a == "--empty-stage") opt.empty_stage = true;
     else if (a == "--throw-at-step") g_throw_at = std::stoi(next());
+    else if (a == "--overflow-at-step") g_overflow_at = std::stoi(next());
     else if (a == "--checkpoint") opt.checkpoint = next();
     else STRATA_FAIL("unknown option ", a);
   }
@@ -258,6 +275,7 @@ int main(int argc, char** argv) {
     std::string label = fmt::format("{}, {} ranks x {} microbatches", opt.schedule, pipe_ranks, opt.microbatches);
     if (opt.virtual_stages > 1) label += fmt::format(", {} virtual", opt.virtual_stages);
     if (opt.dp > 1) label += fmt::format(", dp {} zero {}", opt.dp, opt.zero_stage);
+    if (g_overflow_at >= 0) label += fmt::format(", overflow at step {}", g_overflow_at);
     train(run, opt, false, label);
     if (opt.checkpoint.empty()) {
       train(run, opt, true, label + ", offload");

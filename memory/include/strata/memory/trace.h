@@ -53,6 +53,7 @@ struct TraceOp {
   uint64_t non_model_peak = 0;   // their highest level during the operator
   std::vector<TraceMove> moves;  // chunk moves that finished during the operator
   std::vector<TraceMove> started;  // chunk moves that started during it (demand_bytes unused)
+  std::vector<int64_t> params;   // the parameters it used (Trace::params indices); optional in the file
   double stall_seconds = 0.0;    // time spent waiting for chunks in flight
   uint64_t stall_bytes = 0;      // bytes of the chunks waited for in flight
 };
@@ -73,6 +74,7 @@ struct Trace {
   double nvme_optim_fraction = -1.0;  // EngineOptions::nvme_optim_fraction (-1: auto)
   std::array<uint64_t, kNumTiers> budgets{};
   std::vector<TraceChunk> chunks;
+  std::vector<std::string> params;  // the managed parameters' names, by id; optional in the file
   std::vector<TraceStep> steps;
   std::vector<TraceOp> ops;
 };

@@ -85,4 +85,21 @@ double bubble_formula(Schedule s, int p, int v, int m, const ActionCosts& costs)
 /// than parts.
 std::vector<int> partition_balanced(const std::vector<double>& costs, int parts);
 
+/// What each layer of a model cost in a recorded trace (docs/trace.md): the
+/// operators' seconds, forward and backward, and the activation bytes its
+/// forward left alive (the rise in non-model bytes over its forward
+/// operators). Layer i is the one whose parameters are named "i.<...>"
+/// (a torch::nn::Sequential attached whole) or "<prefix>.i.<...>" (the
+/// first numeric part of the name: a Pipeline's "stage<s>.i.<...>"). An
+/// operator without parameters counts for the layer of the last one with
+/// them. The trace's last step is read (the first may be a warm-up).
+struct LayerCosts {
+  std::vector<double> seconds;
+  std::vector<double> activation_bytes;
+};
+LayerCosts trace_layer_costs(const std::string& trace_path, int layers);
+/// One cost per layer for partition_balanced: each layer's share of the
+/// time, and (weight `memory_weight`, 0..1) of the activation bytes.
+std::vector<double> mixed_costs(const LayerCosts& costs, double memory_weight);
+
 }  // namespace strata::parallel::pipeline
