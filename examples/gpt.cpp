@@ -10,7 +10,7 @@
 //       [--min-lr-ratio 0.1]
 //       [--decay-all] [--baseline]
 //       [--save-every N] [--checkpoint-dir DIR] [--resume DIR] [--export-weights FILE]
-//       [--zero-stage 0-3]
+//       [--zero-stage 0-3] [--pp P [--pp-schedule S] [--microbatches M] [--virtual-stages V]]
 //
 // --save-every N saves the full training state to --checkpoint-dir every N
 // steps (atomically: the directory always holds one complete checkpoint);
@@ -24,7 +24,10 @@
 // weights and embeddings (--decay-all puts every parameter in one group).
 // Under `strata run -n N` it trains data parallel, each rank on batches of its
 // own, with --zero-stage sharding optimizer state (1), gradients (2) and
-// parameters (3) over the ranks.
+// parameters (3) over the ranks. With --pp P it trains pipeline parallel
+// (docs/pipeline.md): the model as layers cut into P stages, --schedule
+// gpipe|1f1b|interleaved-1f1b|zb-h1 (or --pp-schedule), --microbatches M,
+// and the ranks beyond P as the data axis (strata run -n 4 --pp 2: dp 2).
 //
 // The default corpus is Debian's fortunes-min package (/usr/share/games/fortunes),
 // read as bytes. Budgets default to 1/4 (device), 1/2 (host) and 2x (nvme) of

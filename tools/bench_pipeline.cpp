@@ -42,7 +42,7 @@ namespace pp = parallel::pipeline;
 
 struct PipelineBenchOptions {
   std::string microbatches = "4,8";
-  double ms = 50.0;
+  double ms = 80.0;
   int64_t width = 4096;
   int steps = 3;
   bool json = false;
