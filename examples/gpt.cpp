@@ -51,6 +51,7 @@
 #include "strata/parallel/communicator.h"
 #include "strata/parallel/engine.h"
 #include "strata/parallel/pipeline.h"
+#include "strata/parallel/sequence_parallel.h"
 
 namespace {
 
@@ -144,7 +145,9 @@ int run(int argc, char** argv) {
   int warmup = -1, schedule_steps = 0;
   std::string optimizer = "adamw", schedule = "cosine";
   bool decay_all = false;
-  int pp = 1, microbatches = 0, virtual_stages = 1;
+  int pp = 1, microbatches = 0, virtual_stages = 1, seq_ranks = 1;
+  std::string sp_mode = "ring-attention";
+  bool print_losses = false;
   std::string pp_schedule = "1f1b";
   // Engine options: the environment first, flags over it.
   strata::parallel::EngineOptions defaults;
@@ -191,6 +194,13 @@ int run(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber);
   app.add_option("--virtual-stages", virtual_stages, "model chunks per rank (interleaved-1f1b)")
       ->check(CLI::PositiveNumber);
+  app.add_option("--sp", seq_ranks, "sequence-parallel ranks: each holds --context / --sp positions of every sequence "
+                 "(ranks of strata run -n beyond --sp form the data axis)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--sp-mode", sp_mode, "sequence-parallel attention: ring-attention (zigzag layout), ulysses or "
+                 "ring-self-attention")
+      ->check(CLI::IsMember({"ring-attention", "ulysses", "ring-self-attention"}));
+  app.add_flag("--print-losses", print_losses, "print every step's loss (averaged over the ranks) with 8 digits");
   app.add_option("--schedule-steps", schedule_steps,
                  "the schedule's length in steps; 0: --steps (set it to stop early and --resume later on the same schedule)")
       ->check(CLI::NonNegativeNumber);
@@ -243,6 +253,44 @@ int run(int argc, char** argv) {
   mc.vocab = 256;
 
   const torch::Tensor corpus = strata::examples::load_corpus(data);
+  // --sp: the ranks as data x sequence; attention over the sequence group,
+  // the batch's positions split over it, gradients averaged over all ranks
+  // (each rank's loss is the mean over its positions).
+  namespace spp = strata::parallel;
+  std::shared_ptr<spp::Communicator> sp_world, sp_group;
+  int sp_dp_rank = 0;
+  const bool zigzag = sp_mode == "ring-attention";
+  if (seq_ranks > 1) {
+    const spp::Rendezvous r0 = spp::Rendezvous::from_env();
+    STRATA_CHECK(r0.world_size % seq_ranks == 0, "--sp ", seq_ranks, " does not divide the ", r0.world_size,
+                 " ranks: run strata run -n with a multiple of --sp");
+    STRATA_CHECK(mc.context % (zigzag ? 2 * seq_ranks : seq_ranks) == 0, "--context ", mc.context, " does not split into ",
+                 zigzag ? 2 * seq_ranks : seq_ranks, " equal parts", zigzag ? " (ring attention's zigzag layout: 2 per rank)" : "");
+    STRATA_CHECK(sp_mode != "ulysses" || mc.heads % seq_ranks == 0, "Ulysses splits the ", mc.heads,
+                 " heads over --sp ", seq_ranks, ": use a head count divisible by it");
+    sp_world = spp::make_gloo_communicator(r0);
+    spp::DeviceMesh mesh = spp::DeviceMesh::create(*sp_world, {r0.world_size / seq_ranks, 1, 1, seq_ranks});
+    sp_dp_rank = mesh.coords[spp::DeviceMesh::kData];
+    sp_group = std::shared_ptr<spp::Communicator>(std::move(mesh.groups[spp::DeviceMesh::kSequence]));
+    spp::Communicator* g = sp_group.get();
+    const std::string mode = sp_mode;
+    mc.attention = [g, mode](const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
+      if (mode == "ulysses") return spp::ulysses_attention(q, k, v, *g, true);
+      if (mode == "ring-self-attention") return spp::ring_self_attention(q, k, v, *g, true);
+      return spp::ring_attention(q, k, v, *g, true, spp::SequenceLayout::kZigzag);
+    };
+    const int64_t n = seq_ranks, r = g->rank();
+    mc.positions = [n, r, zigzag](int64_t local) {
+      if (!zigzag) return torch::arange(local) + r * local;
+      const int64_t c = local / 2;
+      return torch::cat({torch::arange(c) + r * c, torch::arange(c) + (2 * n - 1 - r) * c});
+    };
+  }
+  // This rank's positions of a batch [batch, context].
+  const auto my_positions = [&](const torch::Tensor& t) {
+    if (seq_ranks == 1) return t;
+    return zigzag ? spp::split_sequence_zigzag(t, 1, *sp_group) : spp::split_sequence(t, 1, *sp_group);
+  };
   torch::manual_seed(0);
   Gpt model(mc);
   const int64_t params = strata::examples::count_parameters(*model);
@@ -296,13 +344,19 @@ int run(int argc, char** argv) {
   // calls them, rank 0 writes).
   std::shared_ptr<strata::parallel::Communicator> comm;
   const strata::parallel::Rendezvous rv = strata::parallel::Rendezvous::from_env();
-  if (rv.world_size > 1) {
+  if (sp_world) {
+    comm = sp_world;  // data x sequence: every rank's gradients averaged
+    opts.nvme_dir += "/rank" + std::to_string(rv.rank);
+  } else if (rv.world_size > 1) {
     comm = strata::parallel::make_gloo_communicator(rv);
     opts.nvme_dir += "/rank" + std::to_string(rv.rank);  // each rank's NVMe tier has files of its own
   }
   const bool lead = rv.rank == 0;
   auto engine = strata::parallel::attach(*model, cfg, opts, comm);
-  if (comm) torch::manual_seed(1 + rv.rank);  // each rank's own batches
+  // Each replica its own batches; the ranks of one sequence group draw the
+  // same ones (with one replica, the same as one process would).
+  if (seq_ranks > 1 && rv.world_size > seq_ranks) torch::manual_seed(1 + sp_dp_rank);
+  if (seq_ranks == 1 && comm) torch::manual_seed(1 + rv.rank);
   fmt::print("corpus: {} bytes; model: {} layers, dim {}, context {}, {} parameters, {}\n", corpus.size(0), mc.layers,
              mc.dim, mc.context, params, strata::dtype_name(opts.precision));
   fmt::print("optimizer {}, lr {:g} with {} steps of warm-up and {} decay to {:g}x; groups:", optimizer, lr, warmup,
@@ -330,8 +384,15 @@ int run(int argc, char** argv) {
   const auto start = std::chrono::steady_clock::now();
   double first_loss = 0, avg = 0, last = 0;
   for (int step = first_step; step <= steps; ++step) {
-    const auto [x, y] = strata::examples::sample_batch(corpus, batch, mc.context);
+    const auto [full_x, full_y] = strata::examples::sample_batch(corpus, batch, mc.context);
+    const torch::Tensor x = my_positions(full_x), y = my_positions(full_y);
     const auto r = engine->train_step([&] { return model->loss(x, y); });
+    if (print_losses) {
+      const std::vector<double> all = comm ? spp::all_gather_values(*comm, {r.loss}) : std::vector<double>{r.loss};
+      double mean = 0;
+      for (double l : all) mean += l / static_cast<double>(all.size());
+      if (lead) fmt::print("step {} loss {:.8g}\n", step, mean);
+    }
     if (step == first_step) first_loss = avg = r.loss;
     last = r.loss;
     if (save_every > 0 && step % save_every == 0) {
@@ -372,21 +433,24 @@ int run(int argc, char** argv) {
     engine->export_weights(export_weights);
     if (lead) fmt::print("weights written to {} (safetensors)\n", export_weights);
   }
-  // Sample a line from the trained model.
-  torch::Tensor idx = corpus.slice(0, 0, 8).unsqueeze(0);
-  for (int i = 0; i < 80; ++i) {
-    const torch::Tensor ctx = idx.slice(1, std::max<int64_t>(0, idx.size(1) - mc.context));
-    const torch::Tensor logits = engine->run([&] { return model->forward(ctx).select(1, -1).to(torch::kFloat32); });
-    idx = torch::cat({idx, torch::multinomial(torch::softmax(logits, -1), 1)}, 1);
+  // Sample a line from the trained model (one process or data parallel: with
+  // --sp the sequence would have to be split over the group too).
+  if (seq_ranks == 1) {
+    torch::Tensor idx = corpus.slice(0, 0, 8).unsqueeze(0);
+    for (int i = 0; i < 80; ++i) {
+      const torch::Tensor ctx = idx.slice(1, std::max<int64_t>(0, idx.size(1) - mc.context));
+      const torch::Tensor logits = engine->run([&] { return model->forward(ctx).select(1, -1).to(torch::kFloat32); });
+      idx = torch::cat({idx, torch::multinomial(torch::softmax(logits, -1), 1)}, 1);
+    }
+    std::string sample;
+    for (int64_t i = 0; i < idx.size(1); ++i) {
+      // Printable ASCII as it is, newlines and tabs as spaces, any other byte as
+      // '?': never raw control bytes or invalid UTF-8 on the terminal.
+      const int64_t c = idx[0][i].item<int64_t>();
+      sample += c == '\n' || c == '\t' ? ' ' : (c >= 0x20 && c < 0x7f ? static_cast<char>(c) : '?');
+    }
+    fmt::print("sample: {}\n", sample);
   }
-  std::string sample;
-  for (int64_t i = 0; i < idx.size(1); ++i) {
-    // Printable ASCII as it is, newlines and tabs as spaces, any other byte as
-    // '?': never raw control bytes or invalid UTF-8 on the terminal.
-    const int64_t c = idx[0][i].item<int64_t>();
-    sample += c == '\n' || c == '\t' ? ' ' : (c >= 0x20 && c < 0x7f ? static_cast<char>(c) : '?');
-  }
-  fmt::print("sample: {}\n", sample);
   if (first_step <= steps && !(avg < first_loss)) {
     std::fprintf(stderr, "gpt: the smoothed loss did not fall (%.3f -> %.3f over %d steps); exit status 1\n", first_loss,
                  avg, steps - first_step + 1);

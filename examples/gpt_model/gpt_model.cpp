@@ -24,9 +24,15 @@ torch::Tensor GptBlockImpl::forward(torch::Tensor x, const torch::Tensor& mask) 
   auto parts = qkv->forward(ln1->forward(x)).chunk(3, -1);
   auto split = [&](const torch::Tensor& y) { return y.view({b, t, heads, hd}).transpose(1, 2); };
   torch::Tensor q = split(parts[0]), k = split(parts[1]), v = split(parts[2]);
-  torch::Tensor att = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(hd));
-  att = torch::softmax(att.masked_fill(mask, -1e4), -1);
-  x = x + proj->forward(torch::matmul(att, v).transpose(1, 2).contiguous().view({b, t, d}));
+  torch::Tensor y;
+  if (attention) {
+    y = attention(q, k, v);  // sequence parallel: causal over the whole sequence
+  } else {
+    torch::Tensor att = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(hd));
+    att = torch::softmax(att.masked_fill(mask, -1e4), -1);
+    y = torch::matmul(att, v);
+  }
+  x = x + proj->forward(y.transpose(1, 2).contiguous().view({b, t, d}));
   return x + down->forward(torch::gelu(up->forward(ln2->forward(x))));
 }
 
@@ -34,7 +40,11 @@ GptImpl::GptImpl(const GptConfig& c) : config(c) {
   STRATA_CHECK(c.dim % c.heads == 0, "the model width (", c.dim, ") must be a multiple of the heads (", c.heads, ")");
   tok = register_module("tok", torch::nn::Embedding(c.vocab, c.dim));
   pos = register_module("pos", torch::nn::Embedding(c.context, c.dim));
-  for (int i = 0; i < c.layers; ++i) blocks->push_back(GptBlock(c.dim, c.heads));
+  for (int i = 0; i < c.layers; ++i) {
+    GptBlock block(c.dim, c.heads);
+    block->attention = c.attention;
+    blocks->push_back(block);
+  }
   register_module("blocks", blocks);
   ln = register_module("ln", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.dim})));
   torch::NoGradGuard no_grad;
@@ -51,7 +61,7 @@ GptImpl::GptImpl(const GptConfig& c) : config(c) {
 torch::Tensor GptImpl::forward(const torch::Tensor& idx) {
   const int64_t t = idx.size(1);
   const torch::Tensor mask = torch::ones({t, t}, torch::kBool).triu(1);
-  torch::Tensor x = tok->forward(idx) + pos->forward(torch::arange(t));
+  torch::Tensor x = tok->forward(idx) + pos->forward(config.positions ? config.positions(t) : torch::arange(t));
   for (const auto& m : *blocks) {
     GptBlockImpl* block = m->as<GptBlockImpl>();
     if (config.checkpoint_blocks) {

@@ -5,6 +5,7 @@
 
 #include <torch/torch.h>
 
+#include <functional>
 #include <string>
 
 namespace strata::examples {
@@ -18,6 +19,14 @@ struct GptConfig {
   /// Activation checkpointing per block: each block's activations are
   /// recomputed in backward instead of kept (strata::parallel::checkpoint).
   bool checkpoint_blocks = false;
+  /// Sequence parallelism (examples/gpt --sp): this rank holds some of each
+  /// sequence's positions. `attention` replaces the causal softmax attention
+  /// of q, k, v [batch, heads, local positions, head_dim] (a
+  /// strata::parallel sequence-parallel attention over the group), and
+  /// `positions(local)` gives the global positions of the rank's `local`
+  /// ones for the position embedding. Null: one process, the whole sequence.
+  std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&)> attention;
+  std::function<torch::Tensor(int64_t)> positions;
 };
 
 struct GptBlockImpl : torch::nn::Module {
@@ -25,6 +34,8 @@ struct GptBlockImpl : torch::nn::Module {
   torch::Tensor forward(torch::Tensor x, const torch::Tensor& mask);
 
   int heads;
+  /// GptConfig::attention, or null.
+  std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&)> attention;
   torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
   torch::nn::Linear qkv{nullptr}, proj{nullptr}, up{nullptr}, down{nullptr};
 };

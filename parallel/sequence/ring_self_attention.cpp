@@ -12,9 +12,8 @@
 // it, summed over every rank whose queries used it, and no gradient is
 // divided by N (Colossal-AI's legacy version divided some and not others,
 // their examples #155). Every rank builds the same graph in the same order,
-// so the hops of backward pair across ranks in the same order too. On a
-// ring, sends and receives pair by parity: even ranks send first, odd ranks
-// receive first. Scores take S * s per head per rank (S^2 / N), as in the paper.
+// so the hops of backward pair across ranks in the same order too (pairing
+// by parity, ring::exchange). Scores take S * s per head per rank (S^2 / N), as in the paper.
 #include <torch/autograd.h>
 
 #include <cmath>
@@ -23,6 +22,7 @@
 #include "strata/core/error.h"
 #include "strata/parallel/sequence_parallel.h"
 #include "../tensor/group_function.h"
+#include "ring.h"
 
 namespace strata::parallel {
 
@@ -30,25 +30,8 @@ namespace {
 
 constexpr uint32_t kRingTag = 0x5241;  // "RA"; ordering on the communicator pairs the hops
 
-// `x` to rank (r + step) mod N, and rank (r - step) mod N's to here (step = +1 or -1).
-torch::Tensor hop(const torch::Tensor& x, Communicator& group, int step) {
-  const int n = group.world_size(), r = group.rank();
-  const int to = (r + step + n) % n, from = (r - step + n) % n;
-  const torch::Tensor out_buf = group_ops::host_buffer(x);
-  torch::Tensor in_buf = torch::empty_like(out_buf);
-  const size_t bytes = out_buf.nbytes();
-  if (r % 2 == 0) {
-    group.send(out_buf.data_ptr(), bytes, to, kRingTag)->wait();
-    group.recv(in_buf.data_ptr(), bytes, from, kRingTag)->wait();
-  } else {
-    group.recv(in_buf.data_ptr(), bytes, from, kRingTag)->wait();
-    group.send(out_buf.data_ptr(), bytes, to, kRingTag)->wait();
-  }
-  return in_buf.to(x.device(), x.scalar_type());
-}
-
-torch::Tensor to_next(const torch::Tensor& x, Communicator& group) { return hop(x, group, +1); }
-torch::Tensor to_previous(const torch::Tensor& x, Communicator& group) { return hop(x, group, -1); }
+torch::Tensor to_next(const torch::Tensor& x, Communicator& group) { return ring::exchange(x, group, +1, kRingTag); }
+torch::Tensor to_previous(const torch::Tensor& x, Communicator& group) { return ring::exchange(x, group, -1, kRingTag); }
 // A hop's gradient goes back to the rank the chunk came from.
 using RingHop = group_ops::GroupFunction<to_next, to_previous>;
 

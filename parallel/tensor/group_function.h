@@ -5,6 +5,7 @@
 // forward and its transpose backward. Private to strata_parallel.
 
 #include <torch/autograd.h>
+#include <torch/types.h>
 
 #include "strata/parallel/communicator.h"
 

@@ -5,6 +5,7 @@
 // not: the output and the gradients of q, k, v and of a replicated
 // projection (summed over the group) within 1e-5; a head count or sequence
 // length the group does not divide is refused before any collective.
+// Ring attention (online softmax) in the contiguous and the zigzag layout too.
 // Prints "rank R: Ulysses sequence parallel (N ranks) matches single-process attention" or fails.
 #include <torch/torch.h>
 
@@ -55,8 +56,19 @@ void expect_refused(Fn fn, const std::string& words) {
 
 using Attention = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, Communicator&,
                                     bool);
+using Split = torch::Tensor (*)(const torch::Tensor&, int64_t, Communicator&);
 
-void check(Communicator& comm, bool causal, Attention attend, int64_t h, const std::string& name) {
+torch::Tensor ring_contiguous(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, Communicator& g,
+                              bool causal) {
+  return ring_attention(q, k, v, g, causal, SequenceLayout::kContiguous);
+}
+torch::Tensor ring_zigzag(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, Communicator& g,
+                          bool causal) {
+  return ring_attention(q, k, v, g, causal, SequenceLayout::kZigzag);
+}
+
+void check(Communicator& comm, bool causal, Attention attend, int64_t h, const std::string& name,
+           Split split = &split_sequence) {
   const int64_t n = comm.world_size(), b = 2, s = 8 * n, d = 8, e = 16;
   torch::manual_seed(comm.rank() + 3);
   const torch::Tensor x = shared(comm, torch::randn({b, s, e}));
@@ -73,7 +85,7 @@ void check(Communicator& comm, bool causal, Attention attend, int64_t h, const s
   torch::Tensor out = attention(q, k, v, causal);
   (out * w).sum().backward();
   // This rank's positions: projections replicated, sequence split.
-  const torch::Tensor xl = split_sequence(x, 1, comm);
+  const torch::Tensor xl = split(x, 1, comm);
   torch::Tensor lq_w = wq.clone().requires_grad_(), lkv_w = wkv.clone().requires_grad_();
   torch::Tensor lq = heads(torch::matmul(xl, lq_w.t())).detach().requires_grad_();
   auto lkv = torch::matmul(xl, lkv_w.t()).chunk(2, -1);
@@ -82,11 +94,11 @@ void check(Communicator& comm, bool causal, Attention attend, int64_t h, const s
   lv.retain_grad();
   torch::Tensor lout = attend(lq, lk, lv, comm, causal);
   const std::string mode = " of " + name + (causal ? " (causal)" : "");
-  expect_close(lout, split_sequence(out, 2, comm), "output" + mode);
-  (lout * split_sequence(w, 2, comm)).sum().backward();
-  expect_close(lq.grad(), split_sequence(q.grad(), 2, comm), "q gradient" + mode);
-  expect_close(lk.grad(), split_sequence(k.grad(), 2, comm), "k gradient" + mode);
-  expect_close(lv.grad(), split_sequence(v.grad(), 2, comm), "v gradient" + mode);
+  expect_close(lout, split(out, 2, comm), "output" + mode);
+  (lout * split(w, 2, comm)).sum().backward();
+  expect_close(lq.grad(), split(q.grad(), 2, comm), "q gradient" + mode);
+  expect_close(lk.grad(), split(k.grad(), 2, comm), "k gradient" + mode);
+  expect_close(lv.grad(), split(v.grad(), 2, comm), "v gradient" + mode);
   // A replicated projection's gradient is the sum of the ranks' parts.
   torch::Tensor g = lkv_w.grad().clone();
   all_reduce(comm, g)->wait();
@@ -112,6 +124,14 @@ int main() {
     check(*comm, true, &ring_self_attention, 3, "ring self-attention");
     std::printf("rank %d: ring self-attention (%d ranks) matches single-process attention (worst relative "
                 "difference %.2e)\n", comm->rank(), comm->world_size(), worst);
+    worst = 0;
+    expect_refused([&] { split_sequence_zigzag(torch::zeros({2, 2 * n + 2}), 1, *comm); }, "zigzag layout");
+    for (bool causal : {false, true}) {
+      check(*comm, causal, &ring_contiguous, 3, "ring attention");
+      check(*comm, causal, &ring_zigzag, 3, "ring attention (zigzag)", &split_sequence_zigzag);
+    }
+    std::printf("rank %d: ring attention (%d ranks, contiguous and zigzag) matches single-process attention (worst "
+                "relative difference %.2e)\n", comm->rank(), comm->world_size(), worst);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "sp_check: %s\n", e.what());
     return 1;

@@ -10,6 +10,11 @@
 // Ring self-attention (the Colossal-AI paper's): keys, then values, travel
 // the ring of ranks; each rank computes its rows of the scores and the output
 // (Note [Ring self-attention]).
+//
+// Ring attention (blockwise, online softmax): key and value blocks travel
+// the ring while each rank keeps a running softmax over its query rows, so no
+// rank holds more than one block of scores: O(S/N) activations per rank.
+// The zigzag layout balances causal work (Note [Ring attention]).
 
 #include <torch/torch.h>
 
@@ -20,6 +25,13 @@ namespace strata::parallel {
 /// This rank's part of `x` split evenly along `dim` over the group (rank r
 /// takes the r-th of N equal parts); a clear error when N does not divide it.
 torch::Tensor split_sequence(const torch::Tensor& x, int64_t dim, Communicator& group);
+
+/// How a sequence is laid out over the ranks: contiguous (rank r holds the
+/// r-th of N parts) or zigzag (rank r holds chunks r and 2N-1-r of 2N).
+enum class SequenceLayout { kContiguous = 0, kZigzag = 1 };
+/// This rank's part of `x` along `dim` in the zigzag layout: chunks r and
+/// 2N-1-r of 2N, concatenated; a clear error when 2N does not divide it.
+torch::Tensor split_sequence_zigzag(const torch::Tensor& x, int64_t dim, Communicator& group);
 
 /// [B, H, S/N, D] sequence-sharded -> [B, H/N, S, D] head-sharded (all-to-all); backward the reverse.
 torch::Tensor sequence_to_heads(const torch::Tensor& x, Communicator& group);
@@ -39,5 +51,13 @@ torch::Tensor ulysses_attention(const torch::Tensor& q, const torch::Tensor& k, 
 /// its rows of the scores against the whole sequence (S^2 / N per head).
 torch::Tensor ring_self_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                   Communicator& group, bool causal);
+
+/// Ring attention (Note [Ring attention]): q, k, v [B, H, s, D] in `layout`
+/// (split_sequence or split_sequence_zigzag of the whole [B, H, S, D]);
+/// returns this rank's rows of attention over the whole sequence, `causal`
+/// by global position, forward and backward equal to one process's. Blocks
+/// of s x s scores at a time: activations O(S/N) per rank. Computes in fp32.
+torch::Tensor ring_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                             Communicator& group, bool causal, SequenceLayout layout = SequenceLayout::kContiguous);
 
 }  // namespace strata::parallel
