@@ -20,6 +20,9 @@
 //   --overflow-at-step a layer of rank 1 sends an infinite gradient back at
 //                   step K: every stage skips that step (the overflow is
 //                   agreed across the stages), the reference skips it too
+//   --manual        each rank builds its own stage modules (a manual split)
+//   Every training run also checks Pipeline::forward (evaluation) against
+//   the reference on the last stage.
 //   --checkpoint    saves after 3 steps, trains 2 more; a fresh pipeline
 //                   loads the checkpoint and trains the same 2: bit for bit
 // Prints "rank R: pipeline (...) matches single-process training" or fails.
@@ -82,7 +85,7 @@ torch::nn::Sequential make_model() {
 struct Options {
   std::string schedule = "1f1b";
   int microbatches = 4, virtual_stages = 1, dp = 1, zero_stage = 0;
-  bool bad_partition = false, empty_stage = false;
+  bool bad_partition = false, empty_stage = false, manual = false;
   std::string checkpoint;
 };
 
@@ -131,7 +134,23 @@ void train(const Run& run, const Options& opt, bool offload, const std::string& 
   po.schedule = pp::schedule_from_name(opt.schedule);
   po.microbatches = opt.microbatches;
   po.virtual_stages = opt.virtual_stages;
-  pp::Pipeline pipe(model, run.pipe_group, po);
+  // --manual: each rank builds its own stages from the same layers (the
+  // balanced partition's boundaries), as a hand-made split would.
+  std::unique_ptr<pp::Pipeline> made;
+  if (opt.manual) {
+    const std::vector<int> bounds = pp::partition_balanced(pp::parameter_costs(model), run.pipe_group->world_size() * opt.virtual_stages);
+    std::vector<torch::nn::Sequential> mine;
+    for (int c = 0; c < opt.virtual_stages; ++c) {
+      const int s = c * run.pipe_group->world_size() + run.pipe_group->rank();
+      torch::nn::Sequential seq;
+      for (int i = bounds[s]; i < bounds[s + 1]; ++i) seq->push_back(std::to_string(i), *(model->begin() + i));
+      mine.push_back(seq);
+    }
+    made = std::make_unique<pp::Pipeline>(mine, run.pipe_group, po);
+  } else {
+    made = std::make_unique<pp::Pipeline>(model, run.pipe_group, po);
+  }
+  pp::Pipeline& pipe = *made;
   for (const auto& item : pipe.module().named_modules()) {
     if (auto* b = item.value()->as<BlockImpl>(); b != nullptr && pipe.rank() == 1) b->may_throw = true;
   }
@@ -199,6 +218,19 @@ void train(const Run& run, const Options& opt, bool offload, const std::string& 
   }
   if (opt.checkpoint.empty()) {
     compare(label, pipe.module(), *reference);
+    // Evaluation: every microbatch forward, the output on the last stage.
+    const torch::Tensor x = batch_inputs(99, 0);
+    const torch::Tensor got = pipe.forward(x);
+    if (pipe.rank() == pipe.num_ranks() - 1) {
+      torch::NoGradGuard no_grad;
+      const torch::Tensor want = reference->forward(x);
+      STRATA_CHECK(got.defined() && got.sizes() == want.sizes(), label, ": the pipeline's evaluation output has shape ",
+                   got.defined() ? got.sizes() : torch::IntArrayRef{}, ", one process's ", want.sizes());
+      const double diff = ((got - want).norm() / want.norm()).item<double>();
+      STRATA_CHECK(diff <= 1e-5, label, ": the pipeline's evaluation output differs from one process's by ", diff);
+    } else {
+      STRATA_CHECK(!got.defined(), label, ": pipeline rank ", pipe.rank(), " got an evaluation output");
+    }
     std::printf("rank %d: pipeline (%s) matches single-process training: %d steps, stage parameters equal\n",
                 run.pipe_group->rank() + run.dp_rank * run.pipe_group->world_size(), label.c_str(), steps);
     std::fflush(stdout);
@@ -240,6 +272,7 @@ int main(int argc, char** argv) {
     else if (a == "--throw-at-step") g_throw_at = std::stoi(next());
     else if (a == "--overflow-at-step") g_overflow_at = std::stoi(next());
     else if (a == "--checkpoint") opt.checkpoint = next();
+    else if (a == "--manual") opt.manual = true;
     else STRATA_FAIL("unknown option ", a);
   }
   try {
@@ -275,6 +308,7 @@ int main(int argc, char** argv) {
     std::string label = fmt::format("{}, {} ranks x {} microbatches", opt.schedule, pipe_ranks, opt.microbatches);
     if (opt.virtual_stages > 1) label += fmt::format(", {} virtual", opt.virtual_stages);
     if (opt.dp > 1) label += fmt::format(", dp {} zero {}", opt.dp, opt.zero_stage);
+    if (opt.manual) label += ", manual split";
     if (g_overflow_at >= 0) label += fmt::format(", overflow at step {}", g_overflow_at);
     train(run, opt, false, label);
     if (opt.checkpoint.empty()) {
