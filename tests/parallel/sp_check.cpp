@@ -10,7 +10,11 @@
 #include <torch/torch.h>
 
 #include <cmath>
+#include <chrono>
 #include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <thread>
 #include <limits>
 
 #include "strata/core/error.h"
@@ -107,9 +111,16 @@ void check(Communicator& comm, bool causal, Attention attend, int64_t h, const s
 
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
+  // --stuck: rank 1 stops answering before the ring attention checks (as a
+  // dead or hung rank would); rank 0 must fail with an error within the
+  // timeout (STRATA_COMM_TIMEOUT), not hang. (A rank that exits is also
+  // caught by the launcher, which stops the others at once.)
+  const bool stuck = argc > 1 && std::string(argv[1]) == "--stuck";
   try {
-    std::shared_ptr<Communicator> comm = make_gloo_communicator(Rendezvous::from_env());
+    CommunicatorOptions co;
+    if (const char* t = std::getenv("STRATA_COMM_TIMEOUT")) co.timeout = std::chrono::seconds(std::atoi(t));
+    std::shared_ptr<Communicator> comm = make_gloo_communicator(Rendezvous::from_env(), co);
     const int64_t n = comm->world_size();
     // Sizes the group does not divide: refused before any collective.
     expect_refused([&] { split_sequence(torch::zeros({2, 4 * n + 1}), 1, *comm); }, "does not split evenly");
@@ -125,6 +136,10 @@ int main() {
     std::printf("rank %d: ring self-attention (%d ranks) matches single-process attention (worst relative "
                 "difference %.2e)\n", comm->rank(), comm->world_size(), worst);
     worst = 0;
+    if (stuck && comm->rank() == 1) {
+      std::this_thread::sleep_for(std::chrono::seconds(60));  // the launcher stops it when rank 0 fails
+      std::_Exit(3);
+    }
     expect_refused([&] { split_sequence_zigzag(torch::zeros({2, 2 * n + 2}), 1, *comm); }, "zigzag layout");
     for (bool causal : {false, true}) {
       check(*comm, causal, &ring_contiguous, 3, "ring attention");
