@@ -301,6 +301,10 @@ int main(int argc, char** argv) {
         pp::Pipeline pipe(model, run.pipe_group, po, bounds);
       } catch (const strata::Error& e) {
         std::printf("rank %d: refused: %s\n", world->rank(), e.what());
+        std::fflush(stdout);
+        // Rank 0 serves the rendezvous store: no rank leaves while another
+        // still forms its groups (the refusal itself needed no communication).
+        world->barrier()->wait();
         return 0;
       }
       STRATA_FAIL("the bad partition was accepted");
