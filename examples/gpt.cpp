@@ -64,6 +64,16 @@ std::string env_or(const char* name, const std::string& fallback) {
   return v ? v : fallback;
 }
 
+// The tier budgets the flags give; "auto": a quarter (device), half (host)
+// and twice (nvme) the model state `state`.
+mem::TierBudgets default_budgets(uint64_t state, const std::string& device, const std::string& host,
+                                 const std::string& nvme) {
+  auto budget = [&](const std::string& s, double fraction) {
+    return s == "auto" ? strata::round_up(static_cast<uint64_t>(state * fraction), 4096) : strata::parse_bytes(s);
+  };
+  return {budget(device, 0.25), budget(host, 0.5), budget(nvme, 2.0)};
+}
+
 // --pp: the model as layers cut into pipeline stages (gpt_layers), each rank
 // training its stage's parameters in its own chunks with budgets sized from
 // its own model state; ranks beyond --pp form the data axis.
@@ -97,10 +107,7 @@ int train_pipeline(PipelineRun a) {
   pl::Pipeline pipe(layers, pipe_group, po);
   const int64_t params = strata::examples::count_parameters(pipe.module());
   const uint64_t state = static_cast<uint64_t>(params) * sp::model_state_bytes_per_param(a.opts.precision, a.cfg.state_count());
-  auto budget = [&](const std::string& s, double fraction) {
-    return s == "auto" ? strata::round_up(static_cast<uint64_t>(state * fraction), 4096) : strata::parse_bytes(s);
-  };
-  a.opts.budgets = {budget(a.device_budget, 0.25), budget(a.host_budget, 0.5), budget(a.nvme_budget, 2.0)};
+  a.opts.budgets = default_budgets(state, a.device_budget, a.host_budget, a.nvme_budget);
   a.opts.nvme_dir = a.nvme_dir + "/rank" + std::to_string(rv.rank);
   if (!a.cfg.groups.empty()) a.cfg.groups = {sp::no_decay_group(pipe.module())};  // this stage's names
   sp::Engine& engine = pipe.attach(a.cfg, a.opts, dp > 1 ? data_group : nullptr);
@@ -309,10 +316,7 @@ int run(int argc, char** argv) {
   if (schedule == "linear") cfg.schedule = sp::LrSchedule::warmup_linear(warmup, schedule_steps, min_lr_ratio);
   const uint64_t state =
       static_cast<uint64_t>(params) * sp::model_state_bytes_per_param(opts.precision, cfg.state_count());
-  auto budget = [&](const std::string& s, double fraction) {
-    return s == "auto" ? strata::round_up(static_cast<uint64_t>(state * fraction), 4096) : strata::parse_bytes(s);
-  };
-  opts.budgets = {budget(device_budget, 0.25), budget(host_budget, 0.5), budget(nvme_budget, 2.0)};
+  opts.budgets = default_budgets(state, device_budget, host_budget, nvme_budget);
   opts.nvme_dir = nvme_dir;
   if (baseline) {
     // Plain LibTorch, everything resident: the reference point for strata's

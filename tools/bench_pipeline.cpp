@@ -24,7 +24,6 @@
 #include <chrono>
 #include <filesystem>
 #include <nlohmann/json.hpp>
-#include <sstream>
 #include <thread>
 
 #include "bench_timing.h"
@@ -41,7 +40,7 @@ namespace {
 namespace pp = parallel::pipeline;
 
 struct PipelineBenchOptions {
-  std::string microbatches = "4,8";
+  std::vector<int> microbatches = {4, 8};
   double ms = 80.0;
   int64_t width = 4096;
   int steps = 3;
@@ -84,20 +83,6 @@ struct TimedLayerImpl : torch::nn::Module {
 };
 TORCH_MODULE(TimedLayer);
 
-std::vector<int> parse_list(const std::string& s) {
-  std::vector<int> out;
-  std::stringstream in(s);
-  for (std::string item; std::getline(in, item, ',');) {
-    try {
-      out.push_back(std::stoi(item));
-    } catch (const std::exception&) {
-      STRATA_FAIL("--microbatches takes numbers separated by commas, not \"", s, "\"");
-    }
-    STRATA_CHECK(out.back() >= 1, "--microbatches must be at least 1");
-  }
-  return out;
-}
-
 // The highest non-model bytes the traced step recorded, above its lowest
 // level (the batch and whatever else lives across the step).
 uint64_t activation_peak(const std::string& path) {
@@ -115,7 +100,6 @@ void run_pipeline_bench(const PipelineBenchOptions& o) {
   auto world = std::shared_ptr<parallel::Communicator>(
       parallel::make_gloo_communicator(parallel::Rendezvous::from_env()));
   const int p = world->world_size(), rank = world->rank();
-  const std::vector<int> mbs = parse_list(o.microbatches);
   const std::string dir = fmt::format("/tmp/strata-bench-pipeline-{}", ::getpid());
   std::filesystem::create_directories(dir);
   nlohmann::json rows = nlohmann::json::array();
@@ -128,7 +112,7 @@ void run_pipeline_bench(const PipelineBenchOptions& o) {
   }
   for (pp::Schedule s : {pp::Schedule::kGPipe, pp::Schedule::k1F1B, pp::Schedule::kInterleaved1F1B,
                          pp::Schedule::kZeroBubbleH1}) {
-    for (int m : mbs) {
+    for (int m : o.microbatches) {
       const int v = s == pp::Schedule::kInterleaved1F1B && p > 1 ? 2 : 1;
       if (s == pp::Schedule::kInterleaved1F1B && m % p != 0) continue;
       const int batch = m * 4;
@@ -196,7 +180,9 @@ void add_bench_pipeline_command(CLI::App& bench) {
   auto* cmd = bench.add_subcommand(
       "pipeline", "Pipeline schedules' bubble vs the formulas, and activation peaks (run it under strata run -n P)");
   auto o = std::make_shared<PipelineBenchOptions>();
-  cmd->add_option("--microbatches", o->microbatches, "microbatch counts, comma-separated");
+  cmd->add_option("--microbatches", o->microbatches, "microbatch counts, comma-separated")
+      ->delimiter(',')
+      ->check(CLI::PositiveNumber);
   cmd->add_option("--ms", o->ms, "milliseconds each pass of a stage sleeps");
   cmd->add_option("--width", o->width, "activation width (fp32 elements per sample)");
   cmd->add_option("--steps", o->steps, "timed steps (median reported)");

@@ -165,23 +165,18 @@ void run_sequence_bench(const SequenceBenchOptions& o) {
         at = measure(mode, group, o.context, o);
         // The longest context under the budget: doubling, then bisecting to 1/16 of the last step.
         const int64_t unit = 64;
+        // Whether context `c` stays within the budget on every rank of the group.
+        const auto within = [&](int64_t c) {
+          const std::vector<double> all =
+              parallel::all_gather_values(group, {static_cast<double>(measure(mode, group, c, o).peak)});
+          return *std::max_element(all.begin(), all.end()) <= static_cast<double>(budget);
+        };
         int64_t fits = 0, fails = 0;
-        for (int64_t c = 256; fails == 0; c *= 2) {
-          const uint64_t peak = measure(mode, group, c, o).peak;
-          std::vector<double> all = parallel::all_gather_values(group, {static_cast<double>(peak)});
-          if (*std::max_element(all.begin(), all.end()) <= static_cast<double>(budget)) {
-            fits = c;
-          } else {
-            fails = c;
-          }
-          if (c >= (int64_t{1} << 20)) break;
-        }
+        for (int64_t c = 256; fails == 0 && c <= (int64_t{1} << 20); c *= 2) (within(c) ? fits : fails) = c;
         while (fails > 0 && fails - fits > std::max<int64_t>(unit, fits / 16)) {
           const int64_t mid = (fits + fails) / 2 / unit * unit;
           if (mid <= fits) break;
-          const uint64_t peak = measure(mode, group, mid, o).peak;
-          std::vector<double> all = parallel::all_gather_values(group, {static_cast<double>(peak)});
-          (*std::max_element(all.begin(), all.end()) <= static_cast<double>(budget) ? fits : fails) = mid;
+          (within(mid) ? fits : fails) = mid;
         }
         longest = fits;
       }

@@ -36,50 +36,9 @@ torch::Tensor GptBlockImpl::forward(torch::Tensor x, const torch::Tensor& mask) 
   return x + down->forward(torch::gelu(up->forward(ln2->forward(x))));
 }
 
-GptImpl::GptImpl(const GptConfig& c) : config(c) {
-  STRATA_CHECK(c.dim % c.heads == 0, "the model width (", c.dim, ") must be a multiple of the heads (", c.heads, ")");
-  tok = register_module("tok", torch::nn::Embedding(c.vocab, c.dim));
-  pos = register_module("pos", torch::nn::Embedding(c.context, c.dim));
-  for (int i = 0; i < c.layers; ++i) {
-    GptBlock block(c.dim, c.heads);
-    block->attention = c.attention;
-    blocks->push_back(block);
-  }
-  register_module("blocks", blocks);
-  ln = register_module("ln", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.dim})));
-  torch::NoGradGuard no_grad;
-  for (auto& p : named_parameters()) {
-    if (p.key().find("ln") != std::string::npos) continue;  // LayerNorm keeps ones and zeros
-    if (p.value().dim() >= 2) {
-      p.value().normal_(0.0, 0.02);
-    } else {
-      p.value().zero_();
-    }
-  }
-}
-
-torch::Tensor GptImpl::forward(const torch::Tensor& idx) {
-  const int64_t t = idx.size(1);
-  const torch::Tensor mask = torch::ones({t, t}, torch::kBool).triu(1);
-  torch::Tensor x = tok->forward(idx) + pos->forward(config.positions ? config.positions(t) : torch::arange(t));
-  for (const auto& m : *blocks) {
-    GptBlockImpl* block = m->as<GptBlockImpl>();
-    if (config.checkpoint_blocks) {
-      x = strata::parallel::checkpoint([block, mask](const torch::Tensor& h) { return block->forward(h, mask); }, x);
-    } else {
-      x = block->forward(x, mask);
-    }
-  }
-  return torch::nn::functional::linear(ln->forward(x), tok->weight);  // output tied to the input embedding
-}
-
-torch::Tensor GptImpl::loss(const torch::Tensor& x, const torch::Tensor& y) {
-  return torch::cross_entropy_loss(forward(x).view({-1, config.vocab}), y.reshape({-1}));
-}
-
 namespace {
 
-// GptImpl's initialisation: N(0, 0.02) matrices, zero vectors, LayerNorm as built.
+// The GPT's initialisation: N(0, 0.02) matrices, zero vectors, LayerNorm (names with "ln") as built.
 void init_like_gpt(torch::nn::Module& m) {
   torch::NoGradGuard no_grad;
   for (auto& p : m.named_parameters()) {
@@ -91,6 +50,42 @@ void init_like_gpt(torch::nn::Module& m) {
     }
   }
 }
+
+// One block's forward, recomputed in backward when `checkpointed`.
+torch::Tensor run_block(GptBlockImpl* block, const torch::Tensor& x, const torch::Tensor& mask, bool checkpointed) {
+  if (!checkpointed) return block->forward(x, mask);
+  return strata::parallel::checkpoint([block, mask](const torch::Tensor& h) { return block->forward(h, mask); }, x);
+}
+
+}  // namespace
+
+GptImpl::GptImpl(const GptConfig& c) : config(c) {
+  STRATA_CHECK(c.dim % c.heads == 0, "the model width (", c.dim, ") must be a multiple of the heads (", c.heads, ")");
+  tok = register_module("tok", torch::nn::Embedding(c.vocab, c.dim));
+  pos = register_module("pos", torch::nn::Embedding(c.context, c.dim));
+  for (int i = 0; i < c.layers; ++i) {
+    GptBlock block(c.dim, c.heads);
+    block->attention = c.attention;
+    blocks->push_back(block);
+  }
+  register_module("blocks", blocks);
+  ln = register_module("ln", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.dim})));
+  init_like_gpt(*this);
+}
+
+torch::Tensor GptImpl::forward(const torch::Tensor& idx) {
+  const int64_t t = idx.size(1);
+  const torch::Tensor mask = torch::ones({t, t}, torch::kBool).triu(1);
+  torch::Tensor x = tok->forward(idx) + pos->forward(config.positions ? config.positions(t) : torch::arange(t));
+  for (const auto& m : *blocks) x = run_block(m->as<GptBlockImpl>(), x, mask, config.checkpoint_blocks);
+  return torch::nn::functional::linear(ln->forward(x), tok->weight);  // output tied to the input embedding
+}
+
+torch::Tensor GptImpl::loss(const torch::Tensor& x, const torch::Tensor& y) {
+  return torch::cross_entropy_loss(forward(x).view({-1, config.vocab}), y.reshape({-1}));
+}
+
+namespace {
 
 struct GptEmbeddingImpl : torch::nn::Module {
   torch::nn::Embedding tok{nullptr}, pos{nullptr};
@@ -111,10 +106,7 @@ struct GptStageBlockImpl : torch::nn::Module {
   }
   torch::Tensor forward(const torch::Tensor& x) {
     const int64_t t = x.size(1);
-    const torch::Tensor mask = torch::ones({t, t}, torch::kBool).triu(1);
-    GptBlockImpl* b = block.get();
-    if (checkpointed) return strata::parallel::checkpoint([b, mask](const torch::Tensor& h) { return b->forward(h, mask); }, x);
-    return b->forward(x, mask);
+    return run_block(block.get(), x, torch::ones({t, t}, torch::kBool).triu(1), checkpointed);
   }
 };
 TORCH_MODULE(GptStageBlock);

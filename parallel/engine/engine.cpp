@@ -164,6 +164,12 @@ StepResult Engine::Impl::train_step(const std::function<torch::Tensor()>& loss_f
 void Engine::Impl::final_backward() {
   STRATA_CHECK(step_thread.load() == std::this_thread::get_id() && in_passes_,
                "final_backward() belongs inside train_step_passes, on its thread");
+  begin_final_backward();
+}
+
+// Passes that never called final_backward() begin it when they end: the
+// reductions then cover every family at finish().
+void Engine::Impl::begin_final_backward() {
   if (final_started_) return;
   final_started_ = true;
   if (tracing()) recorder->set_phase("backward");
@@ -193,7 +199,7 @@ StepResult Engine::Impl::run_step(const std::function<double(double)>& passes,
         throw;
       }
       in_passes_ = false;
-      final_backward_late();
+      begin_final_backward();
     }
     residency.end_step();
     if (op_gathers) {
@@ -228,14 +234,6 @@ StepResult Engine::Impl::run_step(const std::function<double(double)>& passes,
   }
   if (recorder) recorder->end_step();
   return r;
-}
-
-// Passes that never called final_backward(): the reductions start now, after
-// every backward, and cover every family at finish().
-void Engine::Impl::final_backward_late() {
-  if (final_started_) return;
-  final_started_ = true;
-  if (reducer && boundary_) reducer->begin();
 }
 
 // Note [A train_step that throws]

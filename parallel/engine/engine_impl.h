@@ -125,7 +125,7 @@ struct Engine::Impl final : OpObserver {
   void land_writes(const OpCall& call);
   /// A train_step that threw: nothing stays pinned, gathered or half-reduced.
   void abandon_step() noexcept;
-  void final_backward_late();
+  void begin_final_backward();
 };
 
 /// Copies the tensors of a safetensors file into `module`'s parameters,

@@ -96,23 +96,22 @@ kernels::GradStats StepPipeline::grad_stats() {
       replicated += all[3 * r + 2];
     }
   }
-  if (ctx_.tensor_group != nullptr && ctx_.tensor_group->world_size() > 1) {
-    // Note [Clipping across the tensor group]: slices summed over the group, replicated parameters once.
-    Communicator& tp = *ctx_.tensor_group;
-    const double share = 1.0 / tp.world_size();
-    const std::vector<double> all =
-        all_gather_values(tp, {total.sum_sq - replicated * (1.0 - share), total.finite ? 0.0 : 1.0});
-    total = kernels::GradStats{};
-    for (int r = 0; r < tp.world_size(); ++r) total.merge({all[2 * r], all[2 * r + 1] == 0.0});
+  // The sums of squares and the finite flags over a group, in rank order.
+  const auto sum_over = [](Communicator* group, double sum_sq, bool finite) {
+    kernels::GradStats sum{sum_sq, finite};
+    if (group == nullptr || group->world_size() <= 1) return sum;
+    const std::vector<double> all = all_gather_values(*group, {sum_sq, finite ? 0.0 : 1.0});
+    sum = kernels::GradStats{};
+    for (int r = 0; r < group->world_size(); ++r) sum.merge({all[2 * r], all[2 * r + 1] == 0.0});
+    return sum;
+  };
+  // Note [Clipping across the tensor group]: slices summed over the group, replicated parameters once.
+  if (ctx_.tensor_group != nullptr) {
+    const double share = 1.0 / ctx_.tensor_group->world_size();
+    total = sum_over(ctx_.tensor_group, total.sum_sq - replicated * (1.0 - share), total.finite);
   }
-  if (ctx_.options.pipeline_group != nullptr && ctx_.options.pipeline_group->world_size() > 1) {
-    // Stages hold disjoint parameters: their squares add up, and one overflow skips every stage's step.
-    Communicator& pp = *ctx_.options.pipeline_group;
-    const std::vector<double> all = all_gather_values(pp, {total.sum_sq, total.finite ? 0.0 : 1.0});
-    total = kernels::GradStats{};
-    for (int r = 0; r < pp.world_size(); ++r) total.merge({all[2 * r], all[2 * r + 1] == 0.0});
-  }
-  return total;
+  // Pipeline stages hold disjoint parameters: their squares add up, and one overflow skips every stage's step.
+  return sum_over(ctx_.options.pipeline_group, total.sum_sq, total.finite);
 }
 
 // Note [Clipping across the tensor group]

@@ -10,13 +10,15 @@ namespace strata::parallel {
 
 TraceRecorder::TraceRecorder(const EngineContext& ctx, NonModelCounter& counter) : ctx_(ctx), counter_(counter) {
   const EngineOptions& options = ctx.options;
-  path_ = options.trace_path;
-  if (ctx.rank > 0) {
-    const std::filesystem::path given(options.trace_path);
-    path_ = (given.parent_path() /
-             (given.stem().string() + ".rank" + std::to_string(ctx.rank) + given.extension().string()))
-                .string();
+  // One file per pipeline stage and per data-parallel rank: <stem>[.stage<S>][.rank<R>]<extension>.
+  std::string suffix;
+  if (options.pipeline_group != nullptr && options.pipeline_group->world_size() > 1) {
+    suffix += ".stage" + std::to_string(options.pipeline_group->rank());
   }
+  if (ctx.rank > 0) suffix += ".rank" + std::to_string(ctx.rank);
+  const std::filesystem::path given(options.trace_path);
+  path_ = suffix.empty() ? options.trace_path
+                         : (given.parent_path() / (given.stem().string() + suffix + given.extension().string())).string();
   trace_.device = ctx.mgr->device().name();
   trace_.non_model_source = counter.source();
   trace_.policy = options.policy;

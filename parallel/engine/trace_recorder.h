@@ -24,7 +24,8 @@ namespace strata::parallel {
 // optimizer step is one more record, "strata::optimizer_step". After
 // trace_steps steps the trace is written (write_trace: temporary file and
 // rename) and recording stops. Data parallel, rank R > 0 writes
-// <stem>.rank<R><extension> beside the path given, rank 0 the path itself.
+// <stem>.rank<R><extension> beside the path given, rank 0 the path itself;
+// pipeline stage S (EngineOptions::pipeline_group) adds .stage<S> before it.
 class TraceRecorder {
  public:
   /// Describes the context's chunks and budgets; records from the next begin_step().

@@ -59,9 +59,11 @@ std::string shape_string(const Header& h) {
   return s + "] " + std::string(c10::toString(static_cast<torch::ScalarType>(h.dtype)));
 }
 
-// Tags: two per (stage, microbatch), the header's and the payload's.
-uint32_t tag_of(int stage, int mb, int m, bool header) {
-  return static_cast<uint32_t>((static_cast<int64_t>(stage) * m + mb) * 2 + (header ? 1 : 0)) & 0x7fffffffu;
+// Tags: three per (stage that sent it, microbatch): an activation's header,
+// the activation, and the gradient going back.
+enum class Item { kHeader = 0, kActivation = 1, kGradient = 2 };
+uint32_t tag_of(int stage, int mb, int m, Item item) {
+  return static_cast<uint32_t>(((static_cast<int64_t>(stage) * m + mb) * 3 + static_cast<int>(item)) & 0x7fffffff);
 }
 
 // This rank's stages as one module to attach.
@@ -93,7 +95,6 @@ struct Pipeline::Impl {
   };
   struct Pending {  // a receive posted ahead
     int stage, mb;
-    bool grad;
     torch::Tensor buffer;
     WorkHandle work;
   };
@@ -111,11 +112,10 @@ struct Pipeline::Impl {
   // Links: `out` carries this rank's outputs to rank r+1 (and their gradients
   // back), `in` the inputs from rank r-1.
   Channel out_act, out_grad, in_act, in_grad;
-  bool has_out = false, has_in = false;
 
-  // Note [Pipeline links]: shapes known for this batch signature.
+  // Note [Pipeline links]: the shapes that went ahead for this batch
+  // signature; a header travels for exactly the items missing here.
   std::vector<double> signature;
-  bool headers_known = false;
   std::map<std::pair<int, int>, Header> act_shapes;    // (stage the activation enters, mb): received
   std::map<std::pair<int, int>, Header> sent_shapes;   // (stage that produced it, mb): sent
   std::vector<std::pair<WorkHandle, torch::Tensor>> sends;
@@ -167,11 +167,9 @@ struct Pipeline::Impl {
       if (r == a) {
         out_act = {std::move(act), 1};
         out_grad = {std::move(grad), 1};
-        has_out = true;
       } else {
         in_act = {std::move(act), 0};
         in_grad = {std::move(grad), 0};
-        has_in = true;
       }
     }
   }
@@ -193,16 +191,16 @@ struct Pipeline::Impl {
                  ": what passes between stages must be a floating tensor, to carry gradients back");
     const Header h = header_of(y, stage);
     auto known = sent_shapes.find({stage, mb});
-    if (headers_known && known != sent_shapes.end()) {
+    if (known != sent_shapes.end()) {
       STRATA_CHECK(same(known->second, h), "stage ", stage, "'s output for microbatch ", mb, " is ",
                    shape_string(h), " where the same batch shape gave ", shape_string(known->second),
                    " before: a stage's output shape must follow from the batch's");
     } else {
       auto hb = torch::from_blob(const_cast<Header*>(&h), {static_cast<int64_t>(sizeof(Header))}, torch::kUInt8).clone();
-      send(out_act, hb, tag_of(stage, mb, m, true));
+      send(out_act, hb, tag_of(stage, mb, m, Item::kHeader));
       sent_shapes[{stage, mb}] = h;
     }
-    send(out_act, y.detach(), tag_of(stage, mb, m, false));
+    send(out_act, y.detach(), tag_of(stage, mb, m, Item::kActivation));
   }
 
   // Posts the next receive on a channel when its shape is known.
@@ -222,9 +220,9 @@ struct Pipeline::Impl {
       h = it->second;
     }
     Channel& c = grad ? out_grad : in_act;
-    Pending pend{stage, mb, grad, empty_of(h), nullptr};
-    pend.work = c.comm->recv(pend.buffer.data_ptr(), static_cast<size_t>(pend.buffer.numel()) * pend.buffer.element_size(),
-                             c.peer, tag_of(grad ? stage : stage - 1, mb, m, false) ^ (grad ? 0x40000000u : 0u));
+    Pending pend{stage, mb, empty_of(h), nullptr};
+    pend.work = c.comm->recv(pend.buffer.data_ptr(), pend.buffer.nbytes(), c.peer,
+                             grad ? tag_of(stage, mb, m, Item::kGradient) : tag_of(stage - 1, mb, m, Item::kActivation));
     order.pop_front();
     ahead = std::move(pend);
   }
@@ -232,10 +230,10 @@ struct Pipeline::Impl {
   torch::Tensor take(bool grad, int stage, int mb) {
     std::optional<Pending>& ahead = grad ? grad_ahead : act_ahead;
     if (!ahead) {
-      if (!grad && (!headers_known || !act_shapes.count({stage, mb}))) {
+      if (!grad && !act_shapes.count({stage, mb})) {
         Header h;
         const auto t0 = Clock::now();
-        in_act.comm->recv(&h, sizeof(Header), in_act.peer, tag_of(stage - 1, mb, m, true))->wait();
+        in_act.comm->recv(&h, sizeof(Header), in_act.peer, tag_of(stage - 1, mb, m, Item::kHeader))->wait();
         waited += seconds_since(t0);
         STRATA_CHECK(h.ndim >= 0 && h.ndim <= kMaxDims, "a corrupt activation header from rank ", (r + p - 1) % p);
         act_shapes[{stage, mb}] = h;
@@ -297,7 +295,7 @@ struct Pipeline::Impl {
   void send_input_grad(int s, int mb, const Pass& pass, torch::Tensor g) {
     if (first_stage(s)) return;
     if (!g.defined()) g = torch::zeros_like(pass.input);  // the output did not depend on the input
-    send(in_grad, g.detach(), tag_of(s, mb, m, false) ^ 0x40000000u);
+    send(in_grad, g.detach(), tag_of(s, mb, m, Item::kGradient));
   }
 
   void backward(const Action& a) {
@@ -351,7 +349,6 @@ struct Pipeline::Impl {
     sig[kSig - 1] = 0;  // the targets' part: checked, not part of the shapes
     if (sig != signature) {
       signature = sig;
-      headers_known = false;
       act_shapes.clear();
       sent_shapes.clear();
     }
@@ -389,7 +386,18 @@ struct Pipeline::Impl {
     act_ahead.reset();
     grad_ahead.reset();
     if (failure) std::rethrow_exception(failure);
-    headers_known = true;
+  }
+
+  // A step or evaluation that threw: nothing of it stays, and the next one
+  // sends every header again (the peers may have seen some and not others).
+  void abandon() {
+    sends.clear();
+    passes.clear();
+    act_ahead.reset();
+    grad_ahead.reset();
+    signature.clear();
+    act_shapes.clear();
+    sent_shapes.clear();
   }
 
   // Sends that completed give their buffers back.
@@ -411,8 +419,7 @@ struct Pipeline::Impl {
     waited = 0.0;
     for (size_t i = 0; i < actions.size(); ++i) {
       const Action& a = actions[i];
-      if (!training && a.kind != ActionKind::kForward) continue;
-      if (training && i == last_grad_action) engine->final_backward();
+      if (i == last_grad_action) engine->final_backward();
       const auto t0 = Clock::now();
       if (a.kind == ActionKind::kForward) {
         forward(a.stage, a.microbatch, nullptr);
@@ -472,12 +479,7 @@ torch::nn::Module& Pipeline::module() { return *impl_->holder; }
 Engine& Pipeline::attach(OptimizerConfig optimizer, EngineOptions options, std::shared_ptr<Communicator> data_parallel) {
   Impl& d = *impl_;
   STRATA_CHECK(d.engine == nullptr, "this pipeline is attached already");
-  options.pipeline_group = d.group.get();
-  if (!options.trace_path.empty() && d.p > 1) {  // one trace per stage
-    const std::filesystem::path given(options.trace_path);
-    options.trace_path = (given.parent_path() / (given.stem().string() + ".stage" + std::to_string(d.r) +
-                                                 given.extension().string())).string();
-  }
+  options.pipeline_group = d.group.get();  // also names each stage's trace (TraceRecorder)
   d.engine = parallel::attach(*d.holder, std::move(optimizer), std::move(options), std::move(data_parallel));
   return *d.engine;
 }
@@ -502,10 +504,7 @@ StepResult Pipeline::step(const torch::Tensor& inputs, const torch::Tensor& targ
       return l;
     });
   } catch (...) {
-    d.sends.clear();
-    d.passes.clear();
-    d.act_ahead.reset();
-    d.grad_ahead.reset();
+    d.abandon();
     throw;
   }
   // The loss lives on the last stage: every rank reports it.
@@ -534,8 +533,7 @@ torch::Tensor Pipeline::forward(const torch::Tensor& inputs) {
   try {
     out = d.engine ? d.engine->run(body) : body();
   } catch (...) {
-    d.sends.clear();
-    d.act_ahead.reset();
+    d.abandon();
     throw;
   }
   return d.r == d.p - 1 && !outputs.empty() ? out : torch::Tensor();

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <limits>
 #include <map>
+#include <optional>
 #include <tuple>
 
 #include "strata/core/error.h"
@@ -55,6 +56,37 @@ namespace {
 
 Action act(ActionKind k, int s, int mb) { return Action{k, s, mb}; }
 
+// Finish times of the actions run so far, and when an action's input is
+// ready (Note [Pipeline actions]): a forward waits for the previous stage's
+// forward, a backward (or input pass) for the next stage's (the last stage
+// for its own forward), a weight pass for its input pass.
+class Timeline {
+ public:
+  explicit Timeline(int stages) : stages_(stages) {}
+  void finish(const Action& a, double t) { done_[{static_cast<int>(a.kind), a.stage, a.microbatch}] = t; }
+  std::optional<double> ready(const Action& a) const {
+    switch (a.kind) {
+      case ActionKind::kForward:
+        return a.stage == 0 ? std::optional<double>(0.0) : at(ActionKind::kForward, a.stage - 1, a.microbatch);
+      case ActionKind::kBackward:
+      case ActionKind::kBackwardInput:
+        if (a.stage == stages_ - 1) return at(ActionKind::kForward, a.stage, a.microbatch);
+        if (auto t = at(ActionKind::kBackward, a.stage + 1, a.microbatch)) return t;
+        return at(ActionKind::kBackwardInput, a.stage + 1, a.microbatch);
+      case ActionKind::kBackwardWeight: return at(ActionKind::kBackwardInput, a.stage, a.microbatch);
+    }
+    return std::nullopt;
+  }
+
+ private:
+  std::optional<double> at(ActionKind k, int s, int mb) const {
+    auto it = done_.find({static_cast<int>(k), s, mb});
+    return it == done_.end() ? std::nullopt : std::optional<double>(it->second);
+  }
+  int stages_;
+  std::map<std::tuple<int, int, int>, double> done_;  // (kind, stage, mb) -> finish
+};
+
 // 1F1B's order of forwards and backwards on one stage (`backward` is B, or BI under ZB).
 std::vector<Action> one_f_one_b(int rank, int p, int m, ActionKind backward) {
   const int warmup = std::min(p - rank - 1, m);
@@ -97,11 +129,7 @@ std::vector<Action> interleaved(int rank, int p, int v, int m) {
 std::vector<std::vector<Action>> zero_bubble_h1(int p, int m) {
   std::vector<std::vector<Action>> seq(p), out(p);
   for (int r = 0; r < p; ++r) seq[r] = one_f_one_b(r, p, m, ActionKind::kBackwardInput);
-  std::map<std::tuple<int, int, int>, double> done;  // (kind, stage, mb) -> finish
-  auto finished = [&](ActionKind k, int s, int mb) -> const double* {
-    auto it = done.find({static_cast<int>(k), s, mb});
-    return it == done.end() ? nullptr : &it->second;
-  };
+  Timeline timeline(p);
   std::vector<double> t(p, 0.0);
   std::vector<size_t> pos(p, 0);
   std::vector<int> forwards(p, 0), inputs(p, 0), weights(p, 0);
@@ -114,16 +142,9 @@ std::vector<std::vector<Action>> zero_bubble_h1(int p, int m) {
       Action chosen{ActionKind::kForward, 0, 0};
       if (pos[r] < seq[r].size()) {
         const Action& a = seq[r][pos[r]];
-        const double* dep = nullptr;
-        static const double zero = 0.0;
-        if (a.kind == ActionKind::kForward) {
-          dep = r == 0 ? &zero : finished(ActionKind::kForward, r - 1, a.microbatch);
-          if (forwards[r] - weights[r] >= p) dep = nullptr;  // memory: a weight pass first
-        } else {
-          dep = r == p - 1 ? finished(ActionKind::kForward, r, a.microbatch)
-                           : finished(ActionKind::kBackwardInput, r + 1, a.microbatch);
-        }
-        if (dep != nullptr) {
+        std::optional<double> dep = timeline.ready(a);
+        if (a.kind == ActionKind::kForward && forwards[r] - weights[r] >= p) dep.reset();  // memory: a weight pass first
+        if (dep) {
           start = std::max(t[r], *dep);
           chosen = a;
         }
@@ -141,7 +162,7 @@ std::vector<std::vector<Action>> zero_bubble_h1(int p, int m) {
     if (best_rank < 0) break;
     const int r = best_rank;
     t[r] = best_start + 1.0;
-    done[{static_cast<int>(best.kind), best.stage, best.microbatch}] = t[r];
+    timeline.finish(best, t[r]);
     out[r].push_back(best);
     if (best.kind == ActionKind::kForward) forwards[r] += 1, pos[r] += 1;
     if (best.kind == ActionKind::kBackwardInput) inputs[r] += 1, pos[r] += 1;
@@ -223,44 +244,22 @@ SimulatedStep simulate(const std::vector<std::vector<Action>>& per_rank, int p, 
   std::vector<int> held(p, 0);
   std::vector<double> t(p, 0.0);
   std::vector<size_t> pos(p, 0);
-  std::map<std::tuple<int, int, int>, double> done;
-  auto finished = [&](ActionKind k, int s, int mb) -> const double* {
-    auto it = done.find({static_cast<int>(k), s, mb});
-    return it == done.end() ? nullptr : &it->second;
-  };
+  Timeline timeline(stages);
   for (bool progress = true; progress;) {
     progress = false;
     for (int r = 0; r < p; ++r) {
       while (pos[r] < per_rank[r].size()) {
         const Action& a = per_rank[r][pos[r]];
-        static const double zero = 0.0;
-        const double* dep = nullptr;
-        double cost = 0.0;
-        switch (a.kind) {
-          case ActionKind::kForward:
-            dep = a.stage == 0 ? &zero : finished(ActionKind::kForward, a.stage - 1, a.microbatch);
-            cost = costs.forward;
-            break;
-          case ActionKind::kBackward:
-          case ActionKind::kBackwardInput:
-            if (a.stage == stages - 1) {
-              dep = finished(ActionKind::kForward, a.stage, a.microbatch);
-            } else {
-              dep = finished(ActionKind::kBackward, a.stage + 1, a.microbatch);
-              if (dep == nullptr) dep = finished(ActionKind::kBackwardInput, a.stage + 1, a.microbatch);
-            }
-            cost = costs.backward_input + (a.kind == ActionKind::kBackward ? costs.backward_weight : 0.0);
-            break;
-          case ActionKind::kBackwardWeight:
-            dep = finished(ActionKind::kBackwardInput, a.stage, a.microbatch);
-            cost = costs.backward_weight;
-            break;
-        }
-        if (dep == nullptr) break;
+        const std::optional<double> dep = timeline.ready(a);
+        if (!dep) break;
+        const double cost = a.kind == ActionKind::kForward          ? costs.forward
+                            : a.kind == ActionKind::kBackward       ? costs.backward_input + costs.backward_weight
+                            : a.kind == ActionKind::kBackwardInput  ? costs.backward_input
+                                                                    : costs.backward_weight;
         const double start = std::max(t[r], *dep);
         t[r] = start + cost;
         out.busy[r] += cost;
-        done[{static_cast<int>(a.kind), a.stage, a.microbatch}] = t[r];
+        timeline.finish(a, t[r]);
         if (a.kind == ActionKind::kForward) held[r] += 1;
         if (a.kind == ActionKind::kBackward || a.kind == ActionKind::kBackwardWeight) held[r] -= 1;
         out.peak_in_flight[r] = std::max(out.peak_in_flight[r], held[r]);

@@ -169,7 +169,7 @@ void train(const Run& run, const Options& opt, bool offload, const std::string& 
   }
   AdamWConfig cfg;
   cfg.lr = 1e-2f;
-  Engine& engine = pipe.attach(OptimizerConfig::from(cfg), o, run.dp > 1 ? run.data_group : nullptr);
+  pipe.attach(OptimizerConfig::from(cfg), o, run.dp > 1 ? run.data_group : nullptr);
   torch::optim::AdamW adamw(reference->parameters(), torch::optim::AdamWOptions(cfg.lr).weight_decay(cfg.weight_decay));
   const int steps = 10;
   std::vector<std::vector<torch::Tensor>> saved;  // --checkpoint: parameters after each of the last 2 steps
@@ -249,7 +249,6 @@ void train(const Run& run, const Options& opt, bool offload, const std::string& 
                    " parameter ", i, " differs from the uninterrupted run");
     }
   }
-  (void)engine;
   std::printf("rank %d: pipeline checkpoint (%s) resumes bit for bit\n", run.pipe_group->rank(), label.c_str());
   std::fflush(stdout);
 }
