@@ -152,8 +152,8 @@ int run(int argc, char** argv) {
   int warmup = -1, schedule_steps = 0;
   std::string optimizer = "adamw", schedule = "cosine";
   bool decay_all = false;
-  int pp = 1, microbatches = 0, virtual_stages = 1, seq_ranks = 1;
-  std::string sp_mode = "ring-attention";
+  int pp = 1, microbatches = 0, virtual_stages = 1, seq_ranks = 1, tp = 1;
+  std::string sp_mode = "ring-attention", tp_mode = "1d";
   bool print_losses = false;
   std::string pp_schedule = "1f1b";
   // Engine options: the environment first, flags over it.
@@ -207,6 +207,11 @@ int run(int argc, char** argv) {
   app.add_option("--sp-mode", sp_mode, "sequence-parallel attention: ring-attention (zigzag layout), ulysses or "
                  "ring-self-attention")
       ->check(CLI::IsMember({"ring-attention", "ulysses", "ring-self-attention"}));
+  app.add_option("--tp", tp, "tensor-parallel ranks: each holds 1/--tp of every block's weights and of the vocabulary "
+                 "(ranks of strata run -n beyond --tp form the data axis)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--tp-mode", tp_mode, "tensor parallelism: 1d (Megatron's split, through parallelize and a plan)")
+      ->check(CLI::IsMember({"1d"}));
   app.add_flag("--print-losses", print_losses, "print every step's loss (averaged over the ranks) with 8 digits");
   app.add_option("--schedule-steps", schedule_steps,
                  "the schedule's length in steps; 0: --steps (set it to stop early and --resume later on the same schedule)")
@@ -255,7 +260,7 @@ int run(int argc, char** argv) {
     }
   }
   // Paths the run will write: checked now, not after the training they would end.
-  if (save_every > 0) strata::parallel::Engine::check_save_target(checkpoint_dir);
+  if (save_every > 0 && tp == 1) strata::parallel::Engine::check_save_target(checkpoint_dir);  // --tp: per-rank parts
   if (!export_weights.empty()) strata::parallel::Engine::check_export_target(export_weights);
   mc.vocab = 256;
 
@@ -298,9 +303,28 @@ int run(int argc, char** argv) {
     if (seq_ranks == 1) return t;
     return zigzag ? spp::split_sequence_zigzag(t, 1, *sp_group) : spp::split_sequence(t, 1, *sp_group);
   };
+  STRATA_CHECK(tp == 1 || (pp == 1 && seq_ranks == 1), "--tp with --pp or --sp: this example combines tensor "
+               "parallelism with the data axis only; drop one of them");
   torch::manual_seed(0);
   Gpt model(mc);
   const int64_t params = strata::examples::count_parameters(*model);
+  // --tp: the ranks as data x tensor; the model as one process builds it,
+  // then each rank keeps its part (parallelize, a plan of Megatron's styles).
+  std::shared_ptr<spp::Communicator> tp_world, tp_group, tp_data;
+  int tp_dp_rank = 0;
+  int64_t rank_params = params;
+  if (tp > 1) {
+    const spp::Rendezvous r0 = spp::Rendezvous::from_env();
+    STRATA_CHECK(r0.world_size % tp == 0, "--tp ", tp, " does not divide the ", r0.world_size,
+                 " ranks: run strata run -n with a multiple of --tp");
+    STRATA_CHECK(mc.heads % tp == 0, "--tp ", tp, " splits the ", mc.heads, " heads: use a head count divisible by it");
+    tp_world = spp::make_gloo_communicator(r0);
+    spp::DeviceMesh mesh = spp::DeviceMesh::create(*tp_world, {r0.world_size / tp, 1, tp, 1});
+    tp_dp_rank = mesh.coords[spp::DeviceMesh::kData];
+    tp_group = std::shared_ptr<spp::Communicator>(std::move(mesh.groups[spp::DeviceMesh::kTensor]));
+    tp_data = std::shared_ptr<spp::Communicator>(std::move(mesh.groups[spp::DeviceMesh::kData]));
+    rank_params = spp::parallelize(*model, *tp_group, strata::examples::gpt_tensor_parallel_plan()).local_params;
+  }
   namespace sp = strata::parallel;
   sp::OptimizerConfig cfg;
   cfg.kind = sp::parse_optimizer(optimizer);
@@ -315,7 +339,7 @@ int run(int argc, char** argv) {
   if (schedule == "cosine") cfg.schedule = sp::LrSchedule::warmup_cosine(warmup, schedule_steps, min_lr_ratio);
   if (schedule == "linear") cfg.schedule = sp::LrSchedule::warmup_linear(warmup, schedule_steps, min_lr_ratio);
   const uint64_t state =
-      static_cast<uint64_t>(params) * sp::model_state_bytes_per_param(opts.precision, cfg.state_count());
+      static_cast<uint64_t>(rank_params) * sp::model_state_bytes_per_param(opts.precision, cfg.state_count());
   opts.budgets = default_budgets(state, device_budget, host_budget, nvme_budget);
   opts.nvme_dir = nvme_dir;
   if (baseline) {
@@ -351,6 +375,9 @@ int run(int argc, char** argv) {
   if (sp_world) {
     comm = sp_world;  // data x sequence: every rank's gradients averaged
     opts.nvme_dir += "/rank" + std::to_string(rv.rank);
+  } else if (tp_world) {
+    if (tp_data->world_size() > 1) comm = tp_data;  // data x tensor: each part averaged over its replicas
+    opts.nvme_dir += "/rank" + std::to_string(rv.rank);
   } else if (rv.world_size > 1) {
     comm = strata::parallel::make_gloo_communicator(rv);
     opts.nvme_dir += "/rank" + std::to_string(rv.rank);  // each rank's NVMe tier has files of its own
@@ -360,9 +387,11 @@ int run(int argc, char** argv) {
   // Each replica its own batches; the ranks of one sequence group draw the
   // same ones (with one replica, the same as one process would).
   if (seq_ranks > 1 && rv.world_size > seq_ranks) torch::manual_seed(1 + sp_dp_rank);
-  if (seq_ranks == 1 && comm) torch::manual_seed(1 + rv.rank);
+  if (tp > 1 && rv.world_size > tp) torch::manual_seed(1 + tp_dp_rank);
+  if (seq_ranks == 1 && tp == 1 && comm) torch::manual_seed(1 + rv.rank);
   fmt::print("corpus: {} bytes; model: {} layers, dim {}, context {}, {} parameters, {}\n", corpus.size(0), mc.layers,
              mc.dim, mc.context, params, strata::dtype_name(opts.precision));
+  if (tp > 1) fmt::print("tensor parallel ({}, {} ranks): {} parameters on this rank\n", tp_mode, tp, rank_params);
   fmt::print("optimizer {}, lr {:g} with {} steps of warm-up and {} decay to {:g}x; groups:", optimizer, lr, warmup,
              schedule, min_lr_ratio);
   for (const std::string& g : engine->param_groups()) {
@@ -392,7 +421,8 @@ int run(int argc, char** argv) {
     const torch::Tensor x = my_positions(full_x), y = my_positions(full_y);
     const auto r = engine->train_step([&] { return model->loss(x, y); });
     if (print_losses) {
-      const std::vector<double> all = comm ? spp::all_gather_values(*comm, {r.loss}) : std::vector<double>{r.loss};
+      spp::Communicator* everyone = tp_world ? tp_world.get() : comm.get();
+      const std::vector<double> all = everyone ? spp::all_gather_values(*everyone, {r.loss}) : std::vector<double>{r.loss};
       double mean = 0;
       for (double l : all) mean += l / static_cast<double>(all.size());
       if (lead) fmt::print("step {} loss {:.8g}\n", step, mean);

@@ -20,9 +20,11 @@ GptBlockImpl::GptBlockImpl(int dim, int heads_) : heads(heads_) {
 }
 
 torch::Tensor GptBlockImpl::forward(torch::Tensor x, const torch::Tensor& mask) {
-  const int64_t b = x.size(0), t = x.size(1), d = x.size(2), hd = d / heads;
+  // Heads counted from the tensors (-1): under tensor parallelism (the plan
+  // gpt_tensor_parallel_plan) qkv's output holds this rank's heads only.
+  const int64_t b = x.size(0), t = x.size(1), hd = x.size(2) / heads;
   auto parts = qkv->forward(ln1->forward(x)).chunk(3, -1);
-  auto split = [&](const torch::Tensor& y) { return y.view({b, t, heads, hd}).transpose(1, 2); };
+  auto split = [&](const torch::Tensor& y) { return y.view({b, t, -1, hd}).transpose(1, 2); };
   torch::Tensor q = split(parts[0]), k = split(parts[1]), v = split(parts[2]);
   torch::Tensor y;
   if (attention) {
@@ -32,7 +34,7 @@ torch::Tensor GptBlockImpl::forward(torch::Tensor x, const torch::Tensor& mask) 
     att = torch::softmax(att.masked_fill(mask, -1e4), -1);
     y = torch::matmul(att, v);
   }
-  x = x + proj->forward(y.transpose(1, 2).contiguous().view({b, t, d}));
+  x = x + proj->forward(y.transpose(1, 2).contiguous().view({b, t, -1}));
   return x + down->forward(torch::gelu(up->forward(ln2->forward(x))));
 }
 
@@ -136,6 +138,16 @@ torch::nn::Sequential gpt_layers(const GptConfig& c) {
 
 torch::Tensor gpt_loss(const torch::Tensor& logits, const torch::Tensor& y) {
   return torch::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), y.reshape({-1}));
+}
+
+strata::parallel::ParallelPlan gpt_tensor_parallel_plan() {
+  using strata::parallel::ParallelStyle;
+  return {{"blocks.*.qkv", ParallelStyle::columnwise(/*fused=*/3)},  // q, k and v: this rank's heads of each
+          {"blocks.*.proj", ParallelStyle::rowwise()},
+          {"blocks.*.up", ParallelStyle::columnwise()},
+          {"blocks.*.down", ParallelStyle::rowwise()},
+          // The output projection is tied to it: logits gathered whole for the loss.
+          {"tok", ParallelStyle::vocab_embedding()}};
 }
 
 int64_t count_parameters(torch::nn::Module& module) {

@@ -8,6 +8,8 @@
 #include <functional>
 #include <string>
 
+#include "strata/parallel/parallelize.h"
+
 namespace strata::examples {
 
 struct GptConfig {
@@ -65,6 +67,12 @@ TORCH_MODULE(Gpt);
 torch::nn::Sequential gpt_layers(const GptConfig& config);
 /// Mean cross-entropy of next-byte prediction from logits (the pipeline's loss).
 torch::Tensor gpt_loss(const torch::Tensor& logits, const torch::Tensor& y);
+
+/// 1D tensor parallelism for GptImpl, for strata::parallel::parallelize:
+/// Megatron's split (q, k, v and the MLP's first layer column-wise, their
+/// output projections row-wise, the token embedding by vocabulary). The
+/// heads and the vocabulary must divide by the group's size.
+strata::parallel::ParallelPlan gpt_tensor_parallel_plan();
 
 int64_t count_parameters(torch::nn::Module& module);
 

@@ -84,7 +84,7 @@ Engine::Impl::Impl(torch::nn::Module& module, OptimizerConfig optimizer, EngineO
                  " is split over another tensor group than the module's other tensor-parallel layers; build every "
                  "layer of one module over the same group");
     ctx.tensor_group = g;
-    p.split = true;
+    p.copies = tensor_copies_of(p.tensor);
   }
   STRATA_CHECK(ctx.tensor_group == nullptr || ctx.comm == nullptr || ctx.comm.get() != ctx.tensor_group,
                "attach's communicator is the tensor group its layers split parameters over; pass the data-parallel "

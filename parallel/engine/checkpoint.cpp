@@ -143,16 +143,18 @@ LrSchedule::Kind schedule_kind(const std::string& name) {
   STRATA_FAIL("unknown lr schedule \"", name, "\"");
 }
 
+
 }  // namespace
 
 void Engine::check_save_target(const std::string& dir) { checkpoint::check_replaceable(dir); }
 void Engine::check_export_target(const std::string& path) { checkpoint::check_writable_file(path); }
 
 // See Note [Saving a checkpoint] and Note [Checkpoints across ranks].
-void Engine::save(const std::string& dir) {
+void Engine::save(const std::string& whole_dir) {
   Impl& impl = *impl_;
   Impl::Busy hold(impl);
   EngineContext& s = impl.ctx;
+  const std::string dir = s.tensor_part_dir(whole_dir);
   STRATA_CHECK(impl.poisoned.empty(), impl.poisoned);
   const std::vector<size_t> order = params_in_chunk_order(s);
   const bool mid = impl.micro_steps % s.options.grad_accumulation != 0;
@@ -327,10 +329,15 @@ void Engine::save(const std::string& dir) {
 }
 
 // See Note [Loading a checkpoint].
-void Engine::load(const std::string& dir) {
+void Engine::load(const std::string& whole_dir) {
   Impl& impl = *impl_;
   Impl::Busy hold(impl);
   EngineContext& s = impl.ctx;
+  const std::string dir = s.tensor_part_dir(whole_dir);
+  STRATA_CHECK(dir == whole_dir || std::filesystem::is_directory(dir) || std::filesystem::is_directory(dir + ".prev"),
+               "no checkpoint of tensor rank ", s.tensor_group->rank(), " of ", s.tensor_group->world_size(), " at ",
+               dir, ": load a checkpoint saved with the same tensor-parallel layout (",
+               s.tensor_group->world_size(), " ranks, the same plan or layers)");
   checkpoint::CheckpointReader r(dir);
   STRATA_CHECK(r.manifest().kind == kKind, "checkpoint ", r.dir(), " was written by \"", r.manifest().kind,
                "\", not by Engine::save");

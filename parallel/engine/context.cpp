@@ -1,6 +1,9 @@
 #include "context.h"
 
+#include <fmt/format.h>
 #include <torch/torch.h>
+
+#include <filesystem>
 
 #include "strata/core/error.h"
 #include "strata/core/log.h"
@@ -218,6 +221,26 @@ void move_parameters_into_chunks(EngineContext& ctx) {
                              .set_(c10::Storage(p.storage), 0, p.tensor.sizes(), p.tensor.strides());
     p.tensor.set_data(view);
   }
+}
+
+// Note [Checkpoints across tensor ranks]
+// Each rank of a tensor group holds other parts of the split parameters, so
+// each saves its own checkpoint, dir/tensor-<r>-of-<P> (with data
+// parallelism, the data group's rank 0 of each tensor rank writes it), and
+// loads it back into the same layout; another layout finds no part of its
+// name and is told so. Exported weights likewise: one file per tensor rank.
+std::string EngineContext::tensor_part_dir(const std::string& dir) const {
+  if (tensor_group == nullptr || tensor_group->world_size() == 1) return dir;
+  return (std::filesystem::path(dir) / fmt::format("tensor-{}-of-{}", tensor_group->rank(), tensor_group->world_size()))
+      .string();
+}
+
+std::string EngineContext::tensor_part_file(const std::string& path) const {
+  if (tensor_group == nullptr || tensor_group->world_size() == 1) return path;
+  const std::filesystem::path p(path);
+  return (p.parent_path() / fmt::format("{}.tensor-{}-of-{}{}", p.stem().string(), tensor_group->rank(),
+                                        tensor_group->world_size(), p.extension().string()))
+      .string();
 }
 
 }  // namespace strata::parallel

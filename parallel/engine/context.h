@@ -60,7 +60,7 @@ struct ManagedParam {
   int64_t steps = 0;      // optimizer updates applied
   size_t group = 0;       // index into EngineContext::groups
   bool has_grad = false;  // a gradient arrived since the last step
-  bool split = false;     // a tensor-parallel layer holds this rank's slice (tensor_group_of)
+  int copies = 0;         // tensor parallel: ranks of the group holding this part (tensor_copies_of); 0: not split
 };
 
 /// A parameter group's hyper-parameters in effect (OptimizerConfig's, with
@@ -91,6 +91,11 @@ struct EngineContext {
   Engine::DataWait wait;
 
   bool data_parallel() const { return comm != nullptr && comm->world_size() > 1; }
+  /// Under tensor parallelism, this tensor rank's part of checkpoint `dir`
+  /// (dir/tensor-<r>-of-<P>), or of weight file `path` (<stem>.tensor-<r>-of-<P><ext>):
+  /// Note [Checkpoints across tensor ranks]. Else `dir` and `path` themselves.
+  std::string tensor_part_dir(const std::string& dir) const;
+  std::string tensor_part_file(const std::string& path) const;
   /// Whether a parameter's storage may point at its chunk on tier `where`
   /// (Note [Parameters between steps]): the device tier, and on the emulated
   /// device the host tier too (both host memory there).

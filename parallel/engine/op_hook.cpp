@@ -9,6 +9,8 @@
 
 #include "strata/core/error.h"
 #include "strata/core/log.h"
+#include "../tensor/placement.h"
+#include "dispatch_keys.h"
 
 namespace strata::parallel {
 
@@ -27,11 +29,6 @@ Registry& registry() {
   static auto* r = new Registry;  // never destroyed: static destructors may still run operators
   return *r;
 }
-
-// TensorImpl keeps its key set protected; a derived type may name the member.
-struct KeySetAccess : c10::TensorImpl {
-  static c10::DispatchKeySet c10::TensorImpl::*member() { return &KeySetAccess::key_set_; }
-};
 
 struct Found {
   OpHook* hook = nullptr;
@@ -126,14 +123,11 @@ OpHook::~OpHook() {
 }
 
 void OpHook::mark(const at::Tensor& t) {
-  c10::TensorImpl* impl = t.unsafeGetTensorImpl();
-  impl->*KeySetAccess::member() = (impl->*KeySetAccess::member()).add(kHookKey);
+  dispatch_keys::add(t.unsafeGetTensorImpl(), kHookKey);
+  tensor_layout::restore_placement_key(t);  // set_data took that key too
 }
 
-void OpHook::unmark(const at::Tensor& t) {
-  c10::TensorImpl* impl = t.unsafeGetTensorImpl();
-  impl->*KeySetAccess::member() = (impl->*KeySetAccess::member()).remove(kHookKey);
-}
+void OpHook::unmark(const at::Tensor& t) { dispatch_keys::remove(t.unsafeGetTensorImpl(), kHookKey); }
 
 OpHook::Bypass OpHook::bypass() { return Bypass(kHookKey); }
 
@@ -160,8 +154,7 @@ void OpHook::untrack(int64_t id) {
     std::lock_guard<std::mutex> reg(registry().mu);
     registry().entries.erase(it->second.second);
   }
-  c10::TensorImpl* impl = it->second.first.get();
-  impl->*KeySetAccess::member() = (impl->*KeySetAccess::member()).remove(kHookKey);
+  dispatch_keys::remove(it->second.first.get(), kHookKey);
   tracked_.erase(it);
 }
 

@@ -105,35 +105,36 @@ kernels::GradStats StepPipeline::grad_stats() {
     for (int r = 0; r < group->world_size(); ++r) sum.merge({all[2 * r], all[2 * r + 1] == 0.0});
     return sum;
   };
-  // Note [Clipping across the tensor group]: slices summed over the group, replicated parameters once.
-  if (ctx_.tensor_group != nullptr) {
-    const double share = 1.0 / ctx_.tensor_group->world_size();
-    total = sum_over(ctx_.tensor_group, total.sum_sq - replicated * (1.0 - share), total.finite);
-  }
+  // Note [Clipping across the tensor group]: slices summed over the group, each copy once.
+  if (ctx_.tensor_group != nullptr) total = sum_over(ctx_.tensor_group, total.sum_sq - replicated, total.finite);
   // Pipeline stages hold disjoint parameters: their squares add up, and one overflow skips every stage's step.
   return sum_over(ctx_.options.pipeline_group, total.sum_sq, total.finite);
 }
 
 // Note [Clipping across the tensor group]
-// Under tensor parallelism each rank's gradient chunks hold its slices of the
-// split parameters and whole copies of the replicated ones (biases of
-// row-parallel layers, norms), equal on every rank of the group. The global
-// norm squared is the sum over the group of the slices' squares plus the
-// replicated parameters' once: each rank contributes its chunks' sum minus
-// (1 - 1/P) of its replicated part, and the contributions are summed over
-// the tensor group (one small all-gather, after the data-parallel one).
+// Under tensor parallelism each rank's gradient chunks hold its parts of the
+// split parameters, some the same on several ranks of the group (a 2D
+// LayerNorm's slice is held once per grid row: tensor_copies_of), and whole
+// copies of the replicated ones (biases of row-parallel layers, norms in 1D),
+// the same on every rank of the group. The global norm squared counts each
+// distinct part once: each rank contributes its chunks' sum minus (1 -
+// 1/copies) of each part held by `copies` ranks (P for a replicated one), and
+// the contributions are summed over the tensor group (one small all-gather,
+// after the data-parallel one).
 double StepPipeline::replicated_sum_sq(memory::FamilyId f) const {
   const ChunkId gc = ctx_.step_grad(f);
+  const int group = ctx_.tensor_group->world_size();
   double sum = 0.0;
   for (size_t i : ctx_.params_of_chunk.at(ctx_.mgr->family(f).param)) {
     const ManagedParam& p = ctx_.params[i];
-    if (p.split || !p.has_grad) continue;
+    const int copies = p.copies == 0 ? group : p.copies;
+    if (copies == 1 || !p.has_grad) continue;
     // Stages 2-3 hold this rank's part of the gradient; before, all of it.
     const auto [begin, end] = ctx_.stage >= 2 ? ctx_.owned(p) : std::make_pair(p.offset, p.offset + p.numel);
     if (begin >= end) continue;
     const torch::Tensor g =
         torch::from_blob(ctx_.at(gc, begin), {end - begin}, torch::TensorOptions().dtype(ctx_.compute));
-    sum += g.to(torch::kFloat64).pow(2).sum().item<double>();
+    sum += g.to(torch::kFloat64).pow(2).sum().item<double>() * (1.0 - 1.0 / copies);
   }
   return sum;
 }

@@ -60,8 +60,9 @@ class StepPipeline {
 
  private:
   kernels::GradStats grad_stats();
-  /// Sum of squares of family `f`'s gradients of parameters no tensor-parallel
-  /// layer split (this rank's part), its gradient chunk pinned on host.
+  /// The sum of squares of family `f`'s gradients that other ranks of the
+  /// tensor group hold too: each part's times (1 - 1/copies) (Note [Clipping
+  /// across the tensor group]), its gradient chunk pinned on host.
   double replicated_sum_sq(memory::FamilyId f) const;
   void update_family(size_t index, float grad_scale, const std::vector<float>& lrs,
                      const std::function<void()>& pinned_hook);

@@ -20,10 +20,11 @@ using checkpoint::SafetensorsReader;
 using checkpoint::SafetensorsWriter;
 
 // Collective when data parallel: rank 0 writes (Note [Checkpoints across ranks]).
-void Engine::export_weights(const std::string& path) {
+void Engine::export_weights(const std::string& whole_path) {
   Impl& impl = *impl_;
   Impl::Busy hold(impl);
   EngineContext& s = impl.ctx;
+  const std::string path = s.tensor_part_file(whole_path);  // Note [Checkpoints across tensor ranks]
   STRATA_CHECK(impl.poisoned.empty(), impl.poisoned);
   const bool lead = s.rank == 0;
   const std::vector<size_t> order = params_in_chunk_order(s);

@@ -110,6 +110,16 @@ std::pair<int64_t, int64_t> slice_of(int64_t n, Communicator& group, const char*
   return {share * group.rank(), share * (group.rank() + 1)};
 }
 
+torch::Tensor vocab_parallel_embedding(const torch::Tensor& weight, const torch::Tensor& ids, int64_t vocab_begin,
+                                       Communicator& group, int64_t padding_idx) {
+  const int64_t vocab_end = vocab_begin + weight.size(0);
+  const torch::Tensor outside = (ids < vocab_begin) | (ids >= vocab_end);
+  const torch::Tensor local = (ids - vocab_begin).masked_fill(outside, 0);
+  const int64_t local_padding = padding_idx >= vocab_begin && padding_idx < vocab_end ? padding_idx - vocab_begin : -1;
+  const torch::Tensor rows = torch::embedding(weight, local, local_padding).masked_fill(outside.unsqueeze(-1), 0.0);
+  return reduce_from_group(rows, group);
+}
+
 torch::Tensor vocab_parallel_cross_entropy(const torch::Tensor& logits, const torch::Tensor& target,
                                            Communicator& group) {
   STRATA_CHECK(logits.dim() == 2 && target.dim() == 1 && target.size(0) == logits.size(0),
@@ -170,10 +180,7 @@ VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(const torch::nn::Embeddin
 }
 
 torch::Tensor VocabParallelEmbeddingImpl::forward(const torch::Tensor& ids) {
-  const torch::Tensor outside = (ids < vocab_begin) | (ids >= vocab_end);
-  const torch::Tensor local = (ids - vocab_begin).masked_fill(outside, 0);
-  const torch::Tensor rows = torch::embedding(weight, local).masked_fill(outside.unsqueeze(-1), 0.0);
-  return reduce_from_group(rows, *group);
+  return vocab_parallel_embedding(weight, ids, vocab_begin, *group);
 }
 
 }  // namespace strata::parallel

@@ -16,10 +16,12 @@
 #include <torch/torch.h>
 
 #include <cstdio>
+#include <functional>
 
 #include "strata/core/error.h"
 #include "strata/parallel/communicator.h"
 #include "strata/parallel/engine.h"
+#include "strata/parallel/parallelize.h"
 #include "strata/parallel/tensor_collectives.h"
 #include "strata/parallel/tensor_parallel.h"
 
@@ -47,6 +49,23 @@ torch::Tensor shared(Communicator& comm, torch::Tensor t) {
 void share_module(Communicator& comm, torch::nn::Module& m) {
   torch::NoGradGuard no_grad;
   for (auto& p : m.parameters()) p.copy_(shared(comm, p.detach().clone()));
+}
+
+void copy_module(torch::nn::Module& from, torch::nn::Module& to) {
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < to.parameters().size(); ++i) to.parameters()[i].copy_(from.parameters()[i]);
+}
+
+int64_t count(torch::nn::Module& m) {
+  int64_t n = 0;
+  for (const auto& p : m.parameters()) n += p.numel();
+  return n;
+}
+
+double all_gather_mean(Communicator& comm, double v) {
+  double sum = 0;
+  for (double x : all_gather_values(comm, {v})) sum += x;
+  return sum / comm.world_size();
 }
 
 torch::Tensor rows(const torch::Tensor& t, Communicator& comm) {
@@ -164,11 +183,17 @@ struct Tp : torch::nn::Module {
   }
 };
 
-void training(Communicator& comm) {
-  torch::manual_seed(comm.rank() + 7);
-  Full reference;
-  share_module(comm, reference);
-  Tp model(reference, comm);
+// Trains `model` (this rank's parts of `reference`, by layers or by plan) 10
+// steps with strata against `reference` with clip_grad_norm_ and
+// torch::optim::AdamW: gradient norms and losses within 1e-5, every step
+// clipping; then `check_parts` compares the trained weights. `zero_stage`
+// and `dp` (the data axis, or null) for tensor x data parallelism; with a
+// data axis each replica trains on batches of its own and the reference on
+// all of them (the mean of the replicas' losses).
+void train_against(Communicator& comm, Full& reference, torch::nn::Module& model,
+                   const std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&)>& loss,
+                   const std::function<void()>& check_parts, std::shared_ptr<Communicator> dp = nullptr,
+                   int zero_stage = 0) {
   AdamWConfig cfg;
   cfg.lr = 1e-2f;
   torch::optim::AdamW adamw(reference.parameters(), torch::optim::AdamWOptions(cfg.lr).weight_decay(cfg.weight_decay));
@@ -178,39 +203,238 @@ void training(Communicator& comm) {
   // Three 4 KiB chunk pages on the device: an operator's parameters fit, the rank's model does not.
   o.budgets = {3 * 4096, static_cast<uint64_t>(params) * 64 + (1 << 20), 0};
   o.chunk_elems = 256;
+  o.zero_stage = zero_stage;
   // Small enough that every step clips: the norm must count slices across
   // the group and the replicated bias once (Note [Clipping across the tensor group]).
   o.clip_norm = 0.5;
+  const int replicas = dp ? dp->world_size() : 1, replica = dp ? dp->rank() : 0;
   {
-    auto engine = attach(model, cfg, o);  // no communicator: the tensor group is not a data-parallel one
+    auto engine = attach(model, cfg, o, dp);  // the data axis, never the tensor group
     for (int s = 0; s < 10; ++s) {
-      const torch::Tensor ids = shared(comm, torch::randint(0, 32, {24}).to(torch::kFloat32)).to(torch::kLong);
-      const torch::Tensor target = shared(comm, torch::randint(0, 32, {24}).to(torch::kFloat32)).to(torch::kLong);
+      // Every replica's batch on every rank (rank 0's draws): the reference trains on all of them.
+      const torch::Tensor ids = shared(comm, torch::randint(0, 32, {replicas, 24}).to(torch::kFloat32)).to(torch::kLong);
+      const torch::Tensor target = shared(comm, torch::randint(0, 32, {replicas, 24}).to(torch::kFloat32)).to(torch::kLong);
       adamw.zero_grad();
-      torch::Tensor ref = reference.loss(ids, target);
+      torch::Tensor ref = reference.loss(ids.view(-1), target.view(-1));
       ref.backward();
       const double ref_norm = torch::nn::utils::clip_grad_norm_(reference.parameters(), o.clip_norm);
       STRATA_CHECK(ref_norm > o.clip_norm, "the reference's gradient norm ", ref_norm, " did not need clipping");
       adamw.step();
-      const StepResult r = engine->train_step([&] { return model.loss(ids, target); });
+      const StepResult r = engine->train_step([&] { return loss(ids[replica], target[replica]); });
       const double norm_diff = std::abs(r.grad_norm - ref_norm) / ref_norm;
       worst = std::max(worst, norm_diff);
       STRATA_CHECK(norm_diff < 1e-5, "rank ", comm.rank(), ": step ", s, " gradient norm ", r.grad_norm,
                    " vs single process ", ref_norm);
-      const double diff = std::abs(r.loss - ref.item<double>()) / std::abs(ref.item<double>());
+      const double mean_loss = dp ? all_gather_mean(*dp, r.loss) : r.loss;
+      const double diff = std::abs(mean_loss - ref.item<double>()) / std::abs(ref.item<double>());
       worst = std::max(worst, diff);
-      STRATA_CHECK(diff < 1e-5, "rank ", comm.rank(), ": step ", s, " loss ", r.loss, " vs single process ",
+      STRATA_CHECK(diff < 1e-5, "rank ", comm.rank(), ": step ", s, " loss ", mean_loss, " vs single process ",
                    ref.item<double>());
     }
     const auto dev = engine->tier_stats(strata::memory::Tier::kDevice);
     STRATA_CHECK(dev.peak <= dev.budget && dev.evictions > 0, "the device tier held ", dev.peak, " of ", dev.budget,
                  " bytes with ", dev.evictions, " evictions: it must have been too small for the model");
   }
-  expect_close(model.emb->weight, rows(reference.emb->weight, comm), "trained embedding slice");
-  expect_close(model.up->weight, rows(reference.up->weight, comm), "trained up slice");
-  expect_close(model.down->weight, cols(reference.down->weight, comm), "trained down slice");
-  expect_close(model.down->bias, reference.down->bias, "trained replicated bias");
-  expect_close(model.head->weight, rows(reference.head->weight, comm), "trained head slice");
+  check_parts();
+}
+
+void training(Communicator& comm) {
+  torch::manual_seed(comm.rank() + 7);
+  Full reference;
+  share_module(comm, reference);
+  Tp model(reference, comm);
+  train_against(comm, reference, model, [&](const torch::Tensor& i, const torch::Tensor& t) { return model.loss(i, t); },
+                [&] {
+                  expect_close(model.emb->weight, rows(reference.emb->weight, comm), "trained embedding slice");
+                  expect_close(model.up->weight, rows(reference.up->weight, comm), "trained up slice");
+                  expect_close(model.down->weight, cols(reference.down->weight, comm), "trained down slice");
+                  expect_close(model.down->bias, reference.down->bias, "trained replicated bias");
+                  expect_close(model.head->weight, rows(reference.head->weight, comm), "trained head slice");
+                });
+}
+
+// The Tp model's split as a plan, on an unmodified Full: the head gathers its
+// logits, so Full's own loss (plain cross-entropy) runs unchanged.
+ParallelPlan full_plan() {
+  return {{"emb", ParallelStyle::vocab_embedding()},
+          {"up", ParallelStyle::columnwise()},
+          {"down", ParallelStyle::rowwise()},
+          {"head", ParallelStyle::columnwise(1, /*gather_output=*/true)}};
+}
+
+std::vector<std::vector<int64_t>> shapes(torch::nn::Module& m) {
+  std::vector<std::vector<int64_t>> out;
+  for (const auto& p : m.parameters()) out.push_back(p.sizes().vec());
+  return out;
+}
+
+// A bad plan: refused with `message`, before any change or collective.
+void expect_refused(Communicator& comm, const ParallelPlan& plan, const std::string& message,
+                    const std::function<void(torch::nn::Module&)>& extend = nullptr) {
+  Full m;
+  if (extend) extend(m);
+  const auto before = shapes(m);
+  std::string got = "no error";
+  try {
+    parallelize(m, comm, plan);
+  } catch (const strata::Error& e) {
+    got = e.what();
+  }
+  STRATA_CHECK(got.find(message) != std::string::npos, "a bad plan (", plan.empty() ? "" : plan[0].first,
+               ") gave \"", got, "\", not an error saying \"", message, "\"");
+  STRATA_CHECK(shapes(m) == before, "a refused plan changed the module's parameters");
+  for (const auto& p : m.parameters()) STRATA_CHECK(tensor_group_of(p) == nullptr, "a refused plan split a parameter");
+}
+
+// parallelize() on an unmodified module: the plan's errors, layers against
+// LibTorch, and training as one process.
+void plan(Communicator& comm, std::shared_ptr<Communicator> world) {
+  expect_refused(comm, {{"blocks.*.up", ParallelStyle::columnwise()}}, "matches no submodule");
+  expect_refused(comm, {{"emb", ParallelStyle::rowwise()}}, "the row-wise style splits a torch::nn::Linear");
+  expect_refused(comm, {{"up", ParallelStyle::columnwise(3)}}, "output features are not 3 equal fused blocks");
+  expect_refused(comm, {{"u*", ParallelStyle::columnwise()}, {"up", ParallelStyle::rowwise()}}, "matches two plan entries");
+  expect_refused(comm, {{"up", ParallelStyle::columnwise(2, /*gather_output=*/true)}}, "fused blocks and a gathered output");
+  // A size the group does not divide, after a valid entry: nothing changes.
+  const int odd = comm.world_size() + 1;
+  expect_refused(comm, {{"up", ParallelStyle::columnwise()}, {"odd", ParallelStyle::columnwise()}},
+                 "splits the output features of odd (" + std::to_string(odd) + ") evenly",
+                 [&](torch::nn::Module& m) { m.register_module("odd", torch::nn::Linear(16, odd)); });
+
+  // Each style on a Sequential against LibTorch, with 2-D inputs (LibTorch
+  // 1.13's F::linear is addmm then) and 3-D ones (matmul, then += bias): a
+  // column-wise layer gathering its output (its bias whole), then one keeping
+  // its slice (fused blocks) into a row-wise one, and an embedding split by dim.
+  for (const int dims : {2, 3}) {
+    torch::manual_seed(comm.rank() + 5);
+    torch::nn::Sequential ref(torch::nn::Linear(8, 12), torch::nn::Functional(torch::tanh), torch::nn::Linear(12, 12),
+                              torch::nn::GELU(), torch::nn::Linear(12, 8));
+    share_module(comm, *ref);
+    torch::nn::Sequential seq(torch::nn::Linear(8, 12), torch::nn::Functional(torch::tanh), torch::nn::Linear(12, 12),
+                              torch::nn::GELU(), torch::nn::Linear(12, 8));
+    copy_module(*ref, *seq);
+    parallelize(*seq, comm, {{"0", ParallelStyle::columnwise(1, /*gather_output=*/true)},
+                             {"2", ParallelStyle::columnwise()},
+                             {"4", ParallelStyle::rowwise()}});
+    const torch::Tensor x = shared(comm, dims == 2 ? torch::randn({6, 8}) : torch::randn({2, 3, 8}));
+    torch::Tensor xr = x.clone().requires_grad_(), xt = x.clone().requires_grad_();
+    torch::Tensor yr = ref->forward(xr), yt = seq->forward(xt);
+    const std::string in = std::to_string(dims) + "-D";
+    expect_close(yt, yr, "planned Sequential output, " + in);
+    yr.pow(2).sum().backward();
+    yt.pow(2).sum().backward();
+    expect_close(xt.grad(), xr.grad(), "planned Sequential input gradient, " + in);
+    auto lin = [](torch::nn::Sequential& s, size_t i) { return s[i]->as<torch::nn::Linear>(); };
+    expect_close(lin(seq, 0)->weight.grad(), rows(lin(ref, 0)->weight.grad(), comm), "gathered column weight gradient, " + in);
+    expect_close(lin(seq, 0)->bias.grad(), lin(ref, 0)->bias.grad(), "gathered column (whole) bias gradient, " + in);
+    expect_close(lin(seq, 2)->weight.grad(), rows(lin(ref, 2)->weight.grad(), comm), "column weight gradient, " + in);
+    expect_close(lin(seq, 2)->bias.grad(), rows(lin(ref, 2)->bias.grad().unsqueeze(1), comm).squeeze(1),
+                 "column bias gradient, " + in);
+    expect_close(lin(seq, 4)->weight.grad(), cols(lin(ref, 4)->weight.grad(), comm), "row weight gradient, " + in);
+    expect_close(lin(seq, 4)->bias.grad(), lin(ref, 4)->bias.grad(), "row bias gradient, " + in);
+  }
+  {
+    // Fused blocks (a QKV projection): each rank's output is its slice of each block, in block order.
+    torch::manual_seed(comm.rank() + 8);
+    torch::nn::Sequential ref(torch::nn::Linear(8, 12)), seq(torch::nn::Linear(8, 12));
+    share_module(comm, *ref);
+    copy_module(*ref, *seq);
+    parallelize(*seq, comm, {{"0", ParallelStyle::columnwise(/*fused=*/3)}});
+    auto fused = [&](const torch::Tensor& t, int64_t dim) {  // this rank's part of each of the three blocks
+      std::vector<torch::Tensor> parts;
+      for (const torch::Tensor& block : t.chunk(3, dim)) {
+        const auto [b, e] = slice_of(block.size(dim), comm, "a block");
+        parts.push_back(block.narrow(dim, b, e - b));
+      }
+      return torch::cat(parts, dim);
+    };
+    const torch::Tensor x = shared(comm, torch::randn({2, 3, 8})), w = shared(comm, torch::randn({2, 3, 12}));
+    torch::Tensor xr = x.clone().requires_grad_(), xt = x.clone().requires_grad_();
+    torch::Tensor yr = ref->forward(xr), yt = seq->forward(xt);
+    expect_close(yt, fused(yr, -1), "fused column output");
+    (yr * w).sum().backward();
+    (yt * fused(w, -1)).sum().backward();
+    expect_close(xt.grad(), xr.grad(), "fused column input gradient");
+    auto lin = [](torch::nn::Sequential& s) { return s[0]->as<torch::nn::Linear>(); };
+    expect_close(lin(seq)->weight.grad(), fused(lin(ref)->weight.grad(), 0), "fused column weight gradient");
+    expect_close(lin(seq)->bias.grad(), fused(lin(ref)->bias.grad(), 0), "fused column bias gradient");
+  }
+  {
+    torch::manual_seed(comm.rank() + 6);
+    torch::nn::Embedding ref(10, 8), emb(10, 8);
+    share_module(comm, *ref);
+    copy_module(*ref, *emb);
+    torch::nn::Sequential holder;
+    holder->push_back("emb", emb);
+    parallelize(*holder, comm, {{"emb", ParallelStyle::columnwise(1, /*gather_output=*/true)}});
+    const torch::Tensor ids = shared(comm, torch::randint(0, 10, {7}).to(torch::kFloat32)).to(torch::kLong);
+    const torch::Tensor w = shared(comm, torch::randn({7, 8}));
+    torch::Tensor yr = ref->forward(ids), yt = emb->forward(ids);
+    expect_close(yt, yr, "embedding split by dim, output");
+    (yr * w).sum().backward();
+    (yt * w).sum().backward();
+    expect_close(emb->weight.grad(), cols(ref->weight.grad(), comm), "embedding split by dim, gradient");
+  }
+
+  // Layers by plan against LibTorch: forward and every gradient.
+  torch::manual_seed(comm.rank() + 11);
+  Full reference;
+  share_module(comm, reference);
+  Full model;
+  copy_module(reference, model);
+  const ParallelizeResult split = parallelize(model, comm, full_plan());
+  STRATA_CHECK(split.split.size() == 4 && split.full_params == count(reference), "parallelize split ",
+               split.split.size(), " submodules of ", split.full_params, " parameters");
+  const int64_t replicated = reference.down->bias.numel();
+  STRATA_CHECK(split.local_params == (split.full_params - replicated) / comm.world_size() + replicated,
+               "this rank holds ", split.local_params, " parameters after parallelize");
+  const torch::Tensor ids = shared(comm, torch::randint(0, 32, {12}).to(torch::kFloat32)).to(torch::kLong);
+  const torch::Tensor target = shared(comm, torch::randint(0, 32, {12}).to(torch::kFloat32)).to(torch::kLong);
+  torch::Tensor lr = reference.loss(ids, target), lt = model.loss(ids, target);
+  expect_close(lt, lr, "planned model's loss");
+  lr.backward();
+  lt.backward();
+  expect_close(model.emb->weight.grad(), rows(reference.emb->weight.grad(), comm), "planned embedding gradient");
+  expect_close(model.up->weight.grad(), rows(reference.up->weight.grad(), comm), "planned up gradient");
+  expect_close(model.up->bias.grad(), rows(reference.up->bias.grad().unsqueeze(1), comm).squeeze(1), "planned up bias gradient");
+  expect_close(model.down->weight.grad(), cols(reference.down->weight.grad(), comm), "planned down gradient");
+  expect_close(model.down->bias.grad(), reference.down->bias.grad(), "planned down bias gradient");
+  expect_close(model.head->weight.grad(), rows(reference.head->weight.grad(), comm), "planned head gradient");
+  STRATA_CHECK(tensor_group_of(model.up->weight) == &comm && tensor_group_of(model.down->bias) == nullptr,
+               "parallelize did not record which parameters it split");
+
+  // Training by plan, on the tensor group alone and, with a world of 4, as tp 2 x dp 2 at ZeRO 0-2.
+  auto trained = [&](Full& ref, Full& m, Communicator& g) {
+    return [&] {
+      expect_close(m.emb->weight, rows(ref.emb->weight, g), "trained planned embedding slice");
+      expect_close(m.up->weight, rows(ref.up->weight, g), "trained planned up slice");
+      expect_close(m.down->weight, cols(ref.down->weight, g), "trained planned down slice");
+      expect_close(m.down->bias, ref.down->bias, "trained planned replicated bias");
+      expect_close(m.head->weight, rows(ref.head->weight, g), "trained planned head slice");
+    };
+  };
+  {
+    torch::manual_seed(comm.rank() + 13);
+    Full ref, m;
+    share_module(comm, ref);
+    copy_module(ref, m);
+    parallelize(m, comm, full_plan());
+    train_against(comm, ref, m, [&](const torch::Tensor& i, const torch::Tensor& t) { return m.loss(i, t); },
+                  trained(ref, m, comm));
+  }
+  if (world->world_size() == 4) {
+    DeviceMesh mesh = DeviceMesh::create(*world, {2, 1, 2, 1});
+    std::shared_ptr<Communicator> dp(std::move(mesh.groups[DeviceMesh::kData]));
+    for (int stage = 0; stage <= 2; ++stage) {
+      torch::manual_seed(world->rank() + 17);
+      Full ref, m;
+      share_module(*world, ref);
+      copy_module(ref, m);
+      parallelize(m, mesh, full_plan());
+      train_against(*world, ref, m, [&](const torch::Tensor& i, const torch::Tensor& t) { return m.loss(i, t); },
+                    trained(ref, m, mesh.group(DeviceMesh::kTensor)), dp, stage);
+    }
+    std::printf("rank %d: tp 2 x dp 2 at ZeRO stages 0-2 matches single-process LibTorch\n", world->rank());
+  }
 }
 
 }  // namespace
@@ -220,6 +444,7 @@ int main() {
     std::shared_ptr<Communicator> comm = make_gloo_communicator(Rendezvous::from_env());
     layers(*comm);
     training(*comm);
+    plan(*comm, comm);
     std::printf("rank %d: tensor parallel (1D, %d ranks) matches single-process LibTorch (worst relative difference "
                 "%.2e)\n", comm->rank(), comm->world_size(), worst);
   } catch (const std::exception& e) {

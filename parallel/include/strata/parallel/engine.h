@@ -158,7 +158,9 @@ class Engine {
   /// streamed chunk family by chunk family (docs/checkpoint.md). Placement
   /// and budgets are not part of it. Data parallel (any ZeRO stage) it is
   /// collective: every rank calls it, sharded state is gathered family by
-  /// family, and rank 0 writes (Note [Checkpoints across ranks]).
+  /// family, and rank 0 writes (Note [Checkpoints across ranks]). Under
+  /// tensor parallelism each tensor rank saves its parts to
+  /// dir/tensor-<r>-of-<P>, and load() takes them back into the same layout.
   void save(const std::string& dir);
   /// Loads a checkpoint saved by save(), under any budgets and placement.
   /// Every file is verified against the manifest, and the parameter names,
@@ -169,6 +171,8 @@ class Engine {
   /// Writes the fp32 weights of every parameter (trainable or frozen) as a
   /// safetensors file named as module.named_parameters() names them.
   /// Collective when data parallel: every rank calls it, rank 0 writes.
+  /// Under tensor parallelism each tensor rank writes its parts to
+  /// <stem>.tensor-<r>-of-<P><ext> beside `path`.
   void export_weights(const std::string& path);
 
   /// Throws a strata::Error saying what to change unless save(dir) may write

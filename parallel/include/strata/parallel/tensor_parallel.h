@@ -41,8 +41,13 @@ torch::Tensor gather_from_group(const torch::Tensor& x, Communicator& group);
 /// The engine uses it for gradient-norm clipping (Note [Clipping across the
 /// tensor group]): it counts every slice and each replicated parameter once.
 Communicator* tensor_group_of(const torch::Tensor& param);
-/// Records that `param` holds this rank's slice over `group` (the layers do it).
-void mark_split(const torch::Tensor& param, Communicator& group);
+/// How many ranks of its tensor group hold the same part as this rank: 1 for
+/// a unique slice, q for a 2D LayerNorm's slice (one per grid row), 0 when
+/// `param` is not split (then every rank of the group holds all of it).
+int tensor_copies_of(const torch::Tensor& param);
+/// Records that `param` holds this rank's part over `group`, the same on
+/// `copies` ranks of it (the layers and parallelize() do it).
+void mark_split(const torch::Tensor& param, Communicator& group, int copies = 1);
 
 /// The [begin, end) of `n` this rank holds when split evenly over the group;
 /// a clear error when the group's size does not divide `n`.
@@ -90,6 +95,13 @@ struct VocabParallelEmbeddingImpl : torch::nn::Module {
   Communicator* group;
 };
 TORCH_MODULE(VocabParallelEmbedding);
+
+/// Rows of `ids` looked up in a vocabulary split over the group, this rank's
+/// slice `weight` holding rows [vocab_begin, vocab_begin + weight.size(0)):
+/// each rank looks up its own ids (zeros for the others) and the rows are
+/// all-reduced. `padding_idx` (a whole-vocabulary id, or -1) gets no gradient.
+torch::Tensor vocab_parallel_embedding(const torch::Tensor& weight, const torch::Tensor& ids, int64_t vocab_begin,
+                                       Communicator& group, int64_t padding_idx = -1);
 
 /// Mean cross-entropy of `logits` [N, V / P] (this rank's vocabulary slice,
 /// columns [V * r / P, V * (r + 1) / P)) against `target` [N] (ids in [0, V)),

@@ -1,0 +1,83 @@
+#pragma once
+// parallelize(): 1D (Megatron) tensor parallelism applied to an unmodified
+// module. A plan maps submodule names to styles; parallelize() keeps this
+// rank's part of each matched torch::nn::Linear or Embedding weight in place
+// (the same parameter objects, smaller), and from then on the module's own
+// forward communicates where the style says: the split parameters carry
+// their layout and the operators that use them (linear, embedding) run in
+// their tensor-parallel form (Note [Tensor-parallel operators on unmodified
+// modules] in parallel/tensor/placement.h), as PyTorch's parallelize_module
+// does with DTensor. docs/tensor_parallel.md.
+//
+//   auto mesh = DeviceMesh::create(*world, {dp, 1, tp, 1});
+//   parallelize(*model, mesh, {{"blocks.*.qkv", ParallelStyle::columnwise(3)},
+//                              {"blocks.*.proj", ParallelStyle::rowwise()},
+//                              {"blocks.*.up", ParallelStyle::columnwise()},
+//                              {"blocks.*.down", ParallelStyle::rowwise()},
+//                              {"tok", ParallelStyle::vocab_embedding()}});
+//   auto engine = attach(*model, adamw, options, data_parallel_group);
+//
+// What the module's code must allow: a column-wise layer's output holds this
+// rank's slice of its features, so code that reshapes it must infer the
+// local size (view({b, t, -1, head_dim}), not view({b, t, heads, head_dim})),
+// as with DTensor's local outputs. Call parallelize() on every rank of the
+// group, with the same plan, before attach.
+
+#include <torch/torch.h>
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "strata/parallel/communicator.h"
+
+namespace strata::parallel {
+
+struct ParallelStyle {
+  enum class Kind {
+    kColumnwise,      // Linear: output features split (its output holds this rank's slice); Embedding: its dim split
+    kRowwise,         // Linear: input features split, output all-reduced; the bias stays whole
+    kVocabEmbedding,  // Embedding: vocabulary rows split, lookups all-reduced
+    kReplicated,      // every rank holds all of it (the default for what the plan does not name)
+  };
+  Kind kind = Kind::kReplicated;
+  /// Columnwise: the weight stacks `fused` equal blocks along its output
+  /// features (a fused QKV projection: 3), each split over the group, so each
+  /// rank's output holds its slice of every block in block order (so its
+  /// output cannot be gathered).
+  int fused = 1;
+  /// Columnwise: all-gather the output's last dimension (the whole output on
+  /// every rank). Vocab embedding: the same for a linear that uses its weight
+  /// as the output projection (tied embeddings), so the logits are whole.
+  bool gather_output = false;
+
+  static ParallelStyle columnwise(int fused = 1, bool gather_output = false) {
+    return {Kind::kColumnwise, fused, gather_output};
+  }
+  static ParallelStyle rowwise() { return {Kind::kRowwise, 1, false}; }
+  static ParallelStyle vocab_embedding(bool gather_tied_logits = true) {
+    return {Kind::kVocabEmbedding, 1, gather_tied_logits};
+  }
+  static ParallelStyle replicated() { return {Kind::kReplicated, 1, false}; }
+};
+
+/// (submodule name pattern, style), in order. A pattern matches a name of
+/// named_modules() atom by atom ("blocks.*.qkv"; fnmatch wildcards within an
+/// atom, "*" for any one atom). Every pattern must match a submodule, and no
+/// submodule two patterns.
+using ParallelPlan = std::vector<std::pair<std::string, ParallelStyle>>;
+
+struct ParallelizeResult {
+  std::vector<std::string> split;  // the submodules split, by name
+  int64_t local_params = 0;        // this rank's parameter elements after
+  int64_t full_params = 0;         // the module's before
+};
+
+/// Splits `module`'s parameters over `group` as `plan` says. Every check
+/// (names, module types, sizes the group must divide) runs before anything
+/// changes and before any collective: a bad plan leaves the module as it was.
+ParallelizeResult parallelize(torch::nn::Module& module, Communicator& group, const ParallelPlan& plan);
+/// Over the mesh's tensor axis.
+ParallelizeResult parallelize(torch::nn::Module& module, DeviceMesh& mesh, const ParallelPlan& plan);
+
+}  // namespace strata::parallel

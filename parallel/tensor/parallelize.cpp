@@ -1,0 +1,256 @@
+// parallelize(): a plan of styles applied to an unmodified module's Linear
+// and Embedding layers (parallelize.h), and the placements that give
+// operators on the split weights their tensor-parallel form (Note
+// [Tensor-parallel operators on unmodified modules] in placement.h).
+#include "strata/parallel/parallelize.h"
+
+#include <fnmatch.h>
+
+#include <unordered_set>
+
+#include "strata/core/error.h"
+#include "strata/parallel/tensor_parallel.h"
+#include "placement.h"
+
+namespace strata::parallel {
+
+namespace {
+
+using tensor_layout::Placement;
+
+using Product = std::function<torch::Tensor(const torch::Tensor&)>;
+
+torch::Tensor plus(const torch::Tensor& y, const c10::optional<torch::Tensor>& bias) {
+  return bias.has_value() && bias->defined() ? y + *bias : y;
+}
+
+// Note [Megatron's f and g] in layers_1d.cpp, on the weights of unmodified layers.
+// Column-wise: W's rows (output features) are this rank's. The input's
+// gradient is all-reduced (f); the output is this rank's slice of the
+// features, or gathered whole (then the bias is whole too, added after).
+struct ColumnLinear final : Placement {
+  Communicator* group;
+  bool gather;
+  ColumnLinear(Communicator& g, bool gather_output) : group(&g), gather(gather_output) {}
+  c10::optional<torch::Tensor> linear(const torch::Tensor& x, const Product& local_product,
+                                      const c10::optional<torch::Tensor>& bias) const override {
+    torch::Tensor y = local_product(copy_to_group(x, *group));
+    return plus(gather ? gather_from_group(y, *group) : y, bias);
+  }
+};
+
+// Row-wise: W's columns (input features) are this rank's; the partial
+// products are all-reduced (g) and the whole bias added once.
+struct RowLinear final : Placement {
+  Communicator* group;
+  int64_t local_in;
+  RowLinear(Communicator& g, int64_t in_part) : group(&g), local_in(in_part) {}
+  c10::optional<torch::Tensor> linear(const torch::Tensor& x, const Product& local_product,
+                                      const c10::optional<torch::Tensor>& bias) const override {
+    const int64_t p = group->world_size();
+    STRATA_CHECK(x.size(-1) == local_in || x.size(-1) == local_in * p, "a row-wise layer of ", local_in * p,
+                 " input features split over ", p, " ranks got an input of ", x.size(-1),
+                 " features: give it the whole input or this rank's slice (a column-wise layer's output)");
+    const torch::Tensor part = x.size(-1) == local_in && p > 1 ? x : scatter_to_group(x, *group);
+    return plus(reduce_from_group(local_product(part), *group), bias);
+  }
+};
+
+// Vocabulary rows: lookups masked and all-reduced; as an output projection
+// (tied embeddings) a column-wise linear, its logits gathered or kept split.
+struct VocabEmbedding final : Placement {
+  Communicator* group;
+  int64_t begin;
+  bool gather_logits;
+  VocabEmbedding(Communicator& g, int64_t vocab_begin, bool gather) : group(&g), begin(vocab_begin), gather_logits(gather) {}
+  c10::optional<torch::Tensor> linear(const torch::Tensor& x, const Product& local_product,
+                                      const c10::optional<torch::Tensor>& bias) const override {
+    return ColumnLinear(*group, gather_logits).linear(x, local_product, bias);
+  }
+  c10::optional<torch::Tensor> embedding(const torch::Tensor& weight, const torch::Tensor& ids, int64_t padding_idx,
+                                         bool, bool) const override {
+    return vocab_parallel_embedding(weight, ids, begin, *group, padding_idx);
+  }
+};
+
+// The embedding dim split: lookups give this rank's slice of each row.
+struct ColumnEmbedding final : Placement {
+  Communicator* group;
+  bool gather;
+  ColumnEmbedding(Communicator& g, bool gather_output) : group(&g), gather(gather_output) {}
+  c10::optional<torch::Tensor> embedding(const torch::Tensor& weight, const torch::Tensor& ids, int64_t padding_idx,
+                                         bool scale_grad_by_freq, bool sparse) const override {
+    torch::Tensor y = torch::embedding(weight, ids, padding_idx, scale_grad_by_freq, sparse);
+    return gather ? gather_from_group(y, *group) : y;
+  }
+};
+
+bool matches(const std::string& pattern, const std::string& name) {
+  auto atoms = [](const std::string& s) {
+    std::vector<std::string> out;
+    size_t from = 0;
+    for (size_t dot; (dot = s.find('.', from)) != std::string::npos; from = dot + 1) out.push_back(s.substr(from, dot - from));
+    out.push_back(s.substr(from));
+    return out;
+  };
+  const std::vector<std::string> p = atoms(pattern), n = atoms(name);
+  if (p.size() != n.size()) return false;
+  for (size_t i = 0; i < p.size(); ++i) {
+    if (fnmatch(p[i].c_str(), n[i].c_str(), 0) != 0) return false;
+  }
+  return true;
+}
+
+const char* style_name(ParallelStyle::Kind k) {
+  switch (k) {
+    case ParallelStyle::Kind::kColumnwise: return "columnwise";
+    case ParallelStyle::Kind::kRowwise: return "rowwise";
+    case ParallelStyle::Kind::kVocabEmbedding: return "vocab_embedding";
+    case ParallelStyle::Kind::kReplicated: return "replicated";
+  }
+  return "?";
+}
+
+// One matched submodule: what to keep of each parameter, checked before any change.
+struct Cut {
+  std::string name;
+  ParallelStyle style;
+  torch::Tensor weight, bias;
+  torch::Tensor new_weight, new_bias;  // this rank's parts
+  std::shared_ptr<const Placement> placement;
+  bool bias_split = false;
+};
+
+// Rows [begin, end) of each of `fused` equal blocks along dim 0, concatenated.
+torch::Tensor fused_rows(const torch::Tensor& t, int fused, Communicator& g, const std::string& what) {
+  const int64_t block = t.size(0) / fused;
+  std::vector<torch::Tensor> parts;
+  for (int k = 0; k < fused; ++k) {
+    const auto [b, e] = slice_of(block, g, what.c_str());
+    parts.push_back(t.narrow(0, k * block + b, e - b));
+  }
+  return torch::cat(parts, 0).contiguous();
+}
+
+Cut plan_cut(torch::nn::Module& m, const std::string& name, const ParallelStyle& style, Communicator& g) {
+  Cut c;
+  c.name = name;
+  c.style = style;
+  auto* linear = m.as<torch::nn::Linear>();
+  auto* embedding = m.as<torch::nn::Embedding>();
+  const std::string where = "submodule " + name + " (" + style_name(style.kind) + ")";
+  switch (style.kind) {
+    case ParallelStyle::Kind::kReplicated:
+      return c;
+    case ParallelStyle::Kind::kColumnwise: {
+      STRATA_CHECK(linear != nullptr || embedding != nullptr, where, " is a ", m.name(),
+                   "; the column-wise style splits a torch::nn::Linear or Embedding");
+      STRATA_CHECK(style.fused >= 1, where, ": fused must be at least 1 (got ", style.fused, ")");
+      STRATA_CHECK(style.fused == 1 || !style.gather_output, where, ": fused blocks and a gathered output do not "
+                   "go together (the gather would interleave the blocks' slices); keep the output split, or split "
+                   "the fused layer into one linear per block");
+      if (linear != nullptr) {
+        c.weight = linear->weight;
+        c.bias = linear->bias;
+        const int64_t out = c.weight.size(0);
+        STRATA_CHECK(out % style.fused == 0, where, ": its ", out, " output features are not ", style.fused,
+                     " equal fused blocks");
+        const std::string what = "the output features of " + name + (style.fused > 1 ? " (per fused block)" : "");
+        c.new_weight = fused_rows(c.weight, style.fused, g, what);
+        // Gathered output: the bias stays whole, added after the gather.
+        c.bias_split = !style.gather_output;
+        if (c.bias.defined() && c.bias_split) c.new_bias = fused_rows(c.bias, style.fused, g, what);
+        c.placement = std::make_shared<ColumnLinear>(g, style.gather_output);
+      } else {
+        c.weight = embedding->weight;
+        STRATA_CHECK(style.fused == 1, where, ": an embedding has no fused blocks");
+        const auto [b, e] = slice_of(c.weight.size(1), g, ("the embedding dim of " + name).c_str());
+        c.new_weight = c.weight.narrow(1, b, e - b).contiguous();
+        c.placement = std::make_shared<ColumnEmbedding>(g, style.gather_output);
+      }
+      return c;
+    }
+    case ParallelStyle::Kind::kRowwise: {
+      STRATA_CHECK(linear != nullptr, where, " is a ", m.name(), "; the row-wise style splits a torch::nn::Linear "
+                   "(for an embedding's vocabulary use vocab_embedding)");
+      c.weight = linear->weight;
+      c.bias = linear->bias;  // whole: added once, after the all-reduce
+      const auto [b, e] = slice_of(c.weight.size(1), g, ("the input features of " + name).c_str());
+      c.new_weight = c.weight.narrow(1, b, e - b).contiguous();
+      c.placement = std::make_shared<RowLinear>(g, e - b);
+      return c;
+    }
+    case ParallelStyle::Kind::kVocabEmbedding: {
+      STRATA_CHECK(embedding != nullptr, where, " is a ", m.name(), "; the vocab_embedding style splits a "
+                   "torch::nn::Embedding's rows");
+      STRATA_CHECK(!embedding->options.max_norm().has_value(), where, ": max_norm renormalises whole rows in place; "
+                   "a split vocabulary cannot do that here");
+      c.weight = embedding->weight;
+      const auto [b, e] = slice_of(c.weight.size(0), g, ("the vocabulary of " + name).c_str());
+      c.new_weight = c.weight.narrow(0, b, e - b).contiguous();
+      c.placement = std::make_shared<VocabEmbedding>(g, b, style.gather_output);
+      return c;
+    }
+  }
+  return c;
+}
+
+void replace_data(torch::Tensor& param, const torch::Tensor& part) {
+  torch::NoGradGuard no_grad;
+  param.set_data(part.clone());
+  if (param.grad().defined()) param.mutable_grad() = torch::Tensor();
+}
+
+}  // namespace
+
+ParallelizeResult parallelize(torch::nn::Module& module, Communicator& group, const ParallelPlan& plan) {
+  ParallelizeResult result;
+  for (const auto& p : module.parameters()) result.full_params += p.numel();
+  const auto named = module.named_modules("", /*include_self=*/false);
+  std::vector<Cut> cuts;
+  std::vector<bool> used(plan.size(), false);
+  std::unordered_set<const c10::TensorImpl*> weights;
+  for (const auto& item : named) {
+    int chosen = -1;
+    for (size_t i = 0; i < plan.size(); ++i) {
+      if (!matches(plan[i].first, item.key())) continue;
+      STRATA_CHECK(chosen < 0, "submodule ", item.key(), " matches two plan entries, \"", plan[chosen].first,
+                   "\" and \"", plan[i].first, "\"; make the patterns disjoint");
+      chosen = static_cast<int>(i);
+      used[i] = true;
+    }
+    if (chosen < 0) continue;
+    Cut c = plan_cut(*item.value(), item.key(), plan[chosen].second, group);
+    if (!c.weight.defined()) continue;  // replicated
+    STRATA_CHECK(!c.weight.key_set().has(c10::DispatchKey::TESTING_ONLY_GenericMode),
+                 "submodule ", item.key(), "'s parameters belong to an attached engine; call parallelize before attach");
+    STRATA_CHECK(tensor_group_of(c.weight) == nullptr, "submodule ", item.key(),
+                 " is already split over a tensor group; parallelize a module once");
+    STRATA_CHECK(weights.insert(c.weight.unsafeGetTensorImpl()).second, "submodule ", item.key(),
+                 " shares its weight with another submodule of the plan; name only one of them (a linear that uses a "
+                 "vocab_embedding's weight is split with it)");
+    cuts.push_back(std::move(c));
+  }
+  for (size_t i = 0; i < plan.size(); ++i) {
+    STRATA_CHECK(used[i], "plan entry \"", plan[i].first, "\" matches no submodule of the module; names look like \"",
+                 named.is_empty() ? std::string("(none)") : named.begin()->key(), "\" (named_modules())");
+  }
+  // Every check passed: change the module.
+  for (Cut& c : cuts) {
+    replace_data(c.weight, c.new_weight);
+    tensor_layout::place(c.weight, group, 1, c.placement);
+    if (c.bias.defined() && c.bias_split) {
+      replace_data(c.bias, c.new_bias);
+      mark_split(c.bias, group);
+    }
+    result.split.push_back(c.name);
+  }
+  for (const auto& p : module.parameters()) result.local_params += p.numel();
+  return result;
+}
+
+ParallelizeResult parallelize(torch::nn::Module& module, DeviceMesh& mesh, const ParallelPlan& plan) {
+  return parallelize(module, mesh.group(DeviceMesh::kTensor), plan);
+}
+
+}  // namespace strata::parallel

@@ -1,0 +1,185 @@
+// Which parameters tensor parallelism split, over which group, and how many
+// ranks hold each copy (tensor_group_of, tensor_copies_of); and the
+// dispatcher fallback that runs operators on parallelize()'s parameters in
+// their tensor-parallel form (Note [Tensor-parallel operators on unmodified
+// modules] in placement.h). Built without a communicator backend, since the
+// engine asks it whatever the build.
+#include "placement.h"
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <mutex>
+#include <unordered_map>
+
+#include "strata/core/error.h"
+#include "strata/parallel/tensor_parallel.h"
+#include "../engine/dispatch_keys.h"
+
+namespace strata::parallel {
+
+namespace tensor_layout {
+
+namespace {
+
+constexpr c10::DispatchKey kLayoutKey = c10::DispatchKey::TESTING_ONLY_GenericWrapper;
+
+struct Entry {
+  c10::weak_intrusive_ptr<c10::TensorImpl> tensor;  // tells a live parameter from a new tensor at a reused address
+  Communicator* group = nullptr;
+  int copies = 1;
+  std::shared_ptr<const Placement> placement;
+  bool transposed = false;  // aten::t of a placed parameter (LibTorch 1.13's F::linear), not a parameter itself
+};
+
+struct Registry {
+  std::mutex mu;
+  std::unordered_map<const c10::TensorImpl*, Entry> entries;
+};
+Registry& registry() {
+  static auto* r = new Registry;  // never destroyed: static destructors may still run operators
+  return *r;
+}
+
+// The live entry of `t`, or null. Callers hold the registry's lock.
+const Entry* find_locked(const at::Tensor& t) {
+  if (!t.defined()) return nullptr;
+  const auto it = registry().entries.find(t.unsafeGetTensorImpl());
+  if (it == registry().entries.end() || it->second.tensor.lock().get() != t.unsafeGetTensorImpl()) return nullptr;
+  return &it->second;
+}
+
+void forget_expired_locked() {
+  for (auto it = registry().entries.begin(); it != registry().entries.end();) {
+    it = it->second.tensor.expired() ? registry().entries.erase(it) : std::next(it);
+  }
+}
+
+bool is_op(const c10::OperatorHandle& op, const char* name) {
+  return op.schema().name() == name && op.schema().overload_name().empty();
+}
+
+// Argument `arg` of the `n` on top of the stack, when it is a placed tensor: its entry (copied).
+c10::optional<Entry> placed_arg(const torch::jit::Stack& stack, size_t n, size_t arg) {
+  const c10::IValue& v = stack[stack.size() - n + arg];
+  if (!v.isTensor()) return c10::nullopt;
+  std::lock_guard<std::mutex> lock(registry().mu);
+  const Entry* e = find_locked(v.toTensor());
+  if (e == nullptr || e->placement == nullptr) return c10::nullopt;
+  return *e;
+}
+
+std::vector<c10::IValue> take_args(torch::jit::Stack* stack, size_t n) {
+  std::vector<c10::IValue> args(stack->end() - static_cast<std::ptrdiff_t>(n), stack->end());
+  torch::jit::drop(*stack, n);
+  return args;
+}
+
+c10::optional<at::Tensor> optional_tensor(const c10::IValue& v) {
+  return v.isTensor() ? c10::optional<at::Tensor>(v.toTensor()) : c10::nullopt;
+}
+
+bool is_one(const c10::IValue& v) { return v.isNone() || v.toScalar().equal(1); }
+
+// The tensor-parallel form of `op`, pushed on the stack; false: none (the stack is untouched).
+bool run_placed(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const size_t n = op.schema().arguments().size();
+  if (is_op(op, "aten::t")) {  // remember W.t() as the transposed weight
+    const c10::optional<Entry> e = placed_arg(*stack, n, 0);
+    if (!e || e->transposed) return false;
+    op.callBoxed(stack);
+    const at::Tensor t = stack->back().toTensor();
+    std::lock_guard<std::mutex> lock(registry().mu);
+    forget_expired_locked();
+    registry().entries.insert_or_assign(t.unsafeGetTensorImpl(),
+                                        Entry{c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()), e->group,
+                                              e->copies, e->placement, true});
+    return true;
+  }
+  c10::optional<at::Tensor> out;
+  if (is_op(op, "aten::linear")) {
+    const c10::optional<Entry> e = placed_arg(*stack, n, 1);
+    if (!e || e->transposed) return false;
+    const std::vector<c10::IValue> a = take_args(stack, n);
+    const at::Tensor w = a[1].toTensor();
+    out = e->placement->linear(a[0].toTensor(), [&](const at::Tensor& x) { return at::linear(x, w); },
+                               optional_tensor(a[2]));
+    STRATA_CHECK(out.has_value(), "a tensor-parallel parameter of this layout cannot be a linear layer's weight");
+  } else if (is_op(op, "aten::addmm") || is_op(op, "aten::matmul")) {
+    const bool addmm = op.schema().name() == "aten::addmm";
+    const c10::optional<Entry> e = placed_arg(*stack, n, addmm ? 2 : 1);
+    if (!e || !e->transposed) return false;
+    const std::vector<c10::IValue> a = take_args(stack, n);
+    const at::Tensor x = a[addmm ? 1 : 0].toTensor(), wt = a[addmm ? 2 : 1].toTensor();
+    STRATA_CHECK(!addmm || (is_one(a[3]) && is_one(a[4])), "addmm with beta or alpha other than 1 on a "
+                 "tensor-parallel weight: use a linear layer (F::linear) on it");
+    out = e->placement->linear(x, [&](const at::Tensor& v) { return at::matmul(v, wt); },
+                               addmm ? optional_tensor(a[0]) : c10::nullopt);
+    STRATA_CHECK(out.has_value(), "a tensor-parallel parameter of this layout cannot be a linear layer's weight");
+  } else if (is_op(op, "aten::embedding")) {
+    const c10::optional<Entry> e = placed_arg(*stack, n, 0);
+    if (!e || e->transposed) return false;
+    const std::vector<c10::IValue> a = take_args(stack, n);
+    const int64_t padding = a[2].isInt() ? a[2].toInt() : a[2].toSymInt().expect_int();
+    out = e->placement->embedding(a[0].toTensor(), a[1].toTensor(), padding, a[3].toBool(), a[4].toBool());
+    STRATA_CHECK(out.has_value(), "a tensor-parallel parameter of this layout cannot be an embedding table");
+  } else {
+    return false;
+  }
+  torch::jit::push(*stack, *out);
+  return true;
+}
+
+// Note [Tensor-parallel operators on unmodified modules].
+void layout_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  c10::impl::ExcludeDispatchKeyGuard exclude(kLayoutKey);
+  if (!run_placed(op, stack)) op.callBoxed(stack);
+}
+
+void register_fallback_once() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    auto* lib = new torch::Library(torch::Library::IMPL, "_", kLayoutKey, __FILE__, __LINE__);
+    lib->fallback(torch::CppFunction::makeFromBoxedFunction<&layout_fallback>());
+  });
+}
+
+}  // namespace
+
+void place(const at::Tensor& param, Communicator& group, int copies, std::shared_ptr<const Placement> placement) {
+  if (placement != nullptr) register_fallback_once();
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  forget_expired_locked();
+  const bool keyed = placement != nullptr;
+  r.entries.insert_or_assign(param.unsafeGetTensorImpl(),
+                             Entry{c10::weak_intrusive_ptr<c10::TensorImpl>(param.getIntrusivePtr()), &group, copies,
+                                   std::move(placement), false});
+  if (keyed) dispatch_keys::add(param.unsafeGetTensorImpl(), kLayoutKey);
+}
+
+void restore_placement_key(const at::Tensor& t) {
+  std::lock_guard<std::mutex> lock(registry().mu);
+  const Entry* e = find_locked(t);
+  if (e != nullptr && e->placement != nullptr) dispatch_keys::add(t.unsafeGetTensorImpl(), kLayoutKey);
+}
+
+}  // namespace tensor_layout
+
+void mark_split(const torch::Tensor& param, Communicator& group, int copies) {
+  tensor_layout::place(param, group, copies, nullptr);
+}
+
+Communicator* tensor_group_of(const torch::Tensor& param) {
+  std::lock_guard<std::mutex> lock(tensor_layout::registry().mu);
+  const tensor_layout::Entry* e = tensor_layout::find_locked(param);
+  return e == nullptr ? nullptr : e->group;
+}
+
+int tensor_copies_of(const torch::Tensor& param) {
+  std::lock_guard<std::mutex> lock(tensor_layout::registry().mu);
+  const tensor_layout::Entry* e = tensor_layout::find_locked(param);
+  return e == nullptr ? 0 : e->copies;
+}
+
+}  // namespace strata::parallel
