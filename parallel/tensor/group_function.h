@@ -8,6 +8,8 @@
 #include <torch/types.h>
 
 #include "strata/parallel/communicator.h"
+#include "strata/parallel/tensor_collectives.h"
+#include "strata/parallel/tensor_parallel.h"
 
 namespace strata::parallel::group_ops {
 
@@ -22,6 +24,62 @@ inline torch::Tensor host_buffer(const torch::Tensor& x) {
   torch::Tensor h = x.detach().to(torch::kCPU).contiguous().clone();
   if (h.scalar_type() != torch::kFloat32 && h.scalar_type() != torch::kFloat16) h = h.to(torch::kFloat32);
   return h;
+}
+
+// The collectives on tensors, each returning a new tensor on x's device and
+// dtype (through a host buffer: Gloo moves host memory).
+inline torch::Tensor identity(const torch::Tensor& x, Communicator&) { return x; }
+
+inline torch::Tensor all_reduce_over(const torch::Tensor& x, Communicator& group, ReduceOp op = ReduceOp::kSum) {
+  if (group.world_size() == 1) return x;
+  torch::Tensor h = host_buffer(x);
+  all_reduce(group, h, op)->wait();
+  return h.to(x.device(), x.scalar_type());
+}
+inline torch::Tensor all_reduce_sum(const torch::Tensor& x, Communicator& group) { return all_reduce_over(x, group); }
+
+/// Every rank's x stacked along a new first dimension.
+inline torch::Tensor all_gather_stacked(const torch::Tensor& x, Communicator& group) {
+  torch::Tensor h = host_buffer(x);
+  std::vector<int64_t> shape{group.world_size()};
+  for (int64_t s : h.sizes()) shape.push_back(s);
+  torch::Tensor out = torch::empty(shape, h.options());
+  all_gather(group, h, out)->wait();
+  return out.to(x.device(), x.scalar_type());
+}
+inline torch::Tensor all_gather_last(const torch::Tensor& x, Communicator& group) {
+  if (group.world_size() == 1) return x;
+  return torch::cat(all_gather_stacked(x, group).unbind(0), -1);
+}
+inline torch::Tensor all_gather_first(const torch::Tensor& x, Communicator& group) {
+  if (group.world_size() == 1) return x;
+  return all_gather_stacked(x, group).flatten(0, 1);
+}
+
+/// `stacked` [world_size, ...]: this rank's block of the sum over ranks.
+inline torch::Tensor reduce_scatter_stacked(const torch::Tensor& stacked, Communicator& group) {
+  const torch::Tensor h = host_buffer(stacked);
+  torch::Tensor out = torch::empty(h.sizes().slice(1), h.options());
+  reduce_scatter(group, h, out)->wait();
+  return out.to(stacked.device(), stacked.scalar_type());
+}
+/// The sum over ranks of x, this rank's slice of its last dimension.
+inline torch::Tensor reduce_scatter_last(const torch::Tensor& x, Communicator& group) {
+  if (group.world_size() == 1) return x;
+  return reduce_scatter_stacked(torch::stack(x.chunk(group.world_size(), -1), 0), group);
+}
+/// The sum over ranks of x, this rank's slice of its first dimension.
+inline torch::Tensor reduce_scatter_first(const torch::Tensor& x, Communicator& group) {
+  if (group.world_size() == 1) return x;
+  std::vector<int64_t> shape{group.world_size(), x.size(0) / group.world_size()};
+  for (int64_t i = 1; i < x.dim(); ++i) shape.push_back(x.size(i));
+  return reduce_scatter_stacked(x.reshape(shape), group);
+}
+
+inline torch::Tensor own_slice_last(const torch::Tensor& x, Communicator& group) {
+  if (group.world_size() == 1) return x;
+  const auto [begin, end] = slice_of(x.size(-1), group, "the last dimension");
+  return x.narrow(-1, begin, end - begin).contiguous();
 }
 
 using Collective = torch::Tensor (*)(const torch::Tensor&, Communicator&);

@@ -24,34 +24,12 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
+using group_ops::all_gather_last;
+using group_ops::all_reduce_over;
+using group_ops::all_reduce_sum;
 using group_ops::GroupFunction;
-using group_ops::host_buffer;
-
-torch::Tensor identity(const torch::Tensor& x, Communicator&) { return x; }
-
-torch::Tensor all_reduce_over(const torch::Tensor& x, Communicator& group, ReduceOp op = ReduceOp::kSum) {
-  if (group.world_size() == 1) return x;
-  torch::Tensor h = host_buffer(x);
-  all_reduce(group, h, op)->wait();
-  return h.to(x.device(), x.scalar_type());
-}
-torch::Tensor all_reduce_sum(const torch::Tensor& x, Communicator& group) { return all_reduce_over(x, group); }
-
-torch::Tensor all_gather_last(const torch::Tensor& x, Communicator& group) {
-  if (group.world_size() == 1) return x;
-  torch::Tensor h = host_buffer(x);
-  std::vector<int64_t> shape{group.world_size()};
-  for (int64_t s : h.sizes()) shape.push_back(s);
-  torch::Tensor out = torch::empty(shape, h.options());
-  all_gather(group, h, out)->wait();
-  return torch::cat(out.unbind(0), -1).to(x.device(), x.scalar_type());
-}
-
-torch::Tensor own_slice_last(const torch::Tensor& x, Communicator& group) {
-  if (group.world_size() == 1) return x;
-  const auto [begin, end] = slice_of(x.size(-1), group, "the last dimension");
-  return x.narrow(-1, begin, end - begin).contiguous();
-}
+using group_ops::identity;
+using group_ops::own_slice_last;
 
 // Note [Megatron's f and g]: each is the other's transpose.
 using CopyToGroup = GroupFunction<identity, all_reduce_sum>;          // f
