@@ -24,49 +24,23 @@
 #include "strata/parallel/tensor_collectives.h"
 #include "strata/parallel/tensor_parallel.h"
 #include "strata/parallel/tensor_parallel_2d.h"
+#include "rank_check.h"
 
 using namespace strata::parallel;
 
 namespace {
 
-double worst = 0;
+using rank_check::block;
+using rank_check::BlockStack;
+using rank_check::train_against_stack;
+using rank_check::expect_close;
+using rank_check::share_module;
+using rank_check::shared;
+using rank_check::shared_ids;
+using rank_check::vec_block;
+using rank_check::worst;
 
-void expect_close(const torch::Tensor& got, const torch::Tensor& want, const std::string& what, double tol = 1e-5) {
-  STRATA_CHECK(got.sizes() == want.sizes(), what, ": shape ", got.sizes(), " vs ", want.sizes());
-  const double scale = std::max(want.abs().max().item<double>(), 1e-6);
-  const double diff = (got - want).abs().max().item<double>() / scale;
-  worst = std::max(worst, diff);
-  STRATA_CHECK(diff < tol, what, " differs from single-process LibTorch by ", diff, " (relative to its largest value)");
-}
-
-torch::Tensor shared(Communicator& comm, torch::Tensor t) {
-  t = t.contiguous();
-  broadcast(comm, t, 0)->wait();
-  return t;
-}
-torch::Tensor shared_ids(Communicator& comm, int64_t vocab, std::vector<int64_t> shape) {
-  return shared(comm, torch::randint(0, vocab, shape).to(torch::kFloat32)).to(torch::kLong);
-}
-void share_module(Communicator& comm, torch::nn::Module& m) {
-  torch::NoGradGuard no_grad;
-  for (auto& p : m.parameters()) p.copy_(shared(comm, p.detach().clone()));
-}
-
-// Block (b0, b1) of a matrix cut into n0 x n1 blocks.
-torch::Tensor block(const torch::Tensor& t, int n0, int b0, int n1, int b1) {
-  const int64_t r = t.size(0) / n0, c = t.size(1) / n1;
-  return t.narrow(0, r * b0, r).narrow(1, c * b1, c);
-}
-torch::Tensor vec_block(const torch::Tensor& t, int n, int b) { return t.narrow(0, t.size(0) / n * b, t.size(0) / n); }
-
-std::string expect_error(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const strata::Error& e) {
-    return e.what();
-  }
-  return "no error";
-}
+std::string expect_error(const std::function<void()>& f) { return rank_check::error_of(f); }
 
 void layers(Communicator& world, TensorGrid& g) {
   const int q = g.q();
@@ -145,31 +119,6 @@ void layers(Communicator& world, TensorGrid& g) {
                "a Linear2D of ", 2 * q + 1, " outputs gave: ", odd);
 }
 
-constexpr int kVocab = 64;
-
-struct Full : torch::nn::Module {
-  torch::nn::Embedding emb{nullptr};
-  std::vector<torch::nn::LayerNorm> norms;
-  std::vector<torch::nn::Linear> ups, downs;
-  torch::nn::LayerNorm final_norm{nullptr};
-  torch::nn::Linear head{nullptr};
-  Full() {
-    emb = register_module("emb", torch::nn::Embedding(kVocab, 32));
-    for (int b = 0; b < 2; ++b) {
-      norms.push_back(register_module("norm" + std::to_string(b), torch::nn::LayerNorm(torch::nn::LayerNormOptions({32}))));
-      ups.push_back(register_module("up" + std::to_string(b), torch::nn::Linear(32, 64)));
-      downs.push_back(register_module("down" + std::to_string(b), torch::nn::Linear(64, 32)));
-    }
-    final_norm = register_module("final_norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({32})));
-    head = register_module("head", torch::nn::Linear(torch::nn::LinearOptions(32, kVocab).bias(false)));
-  }
-  torch::Tensor loss(const torch::Tensor& ids, const torch::Tensor& target) {
-    torch::Tensor x = emb->forward(ids);
-    for (size_t b = 0; b < ups.size(); ++b) x = x + downs[b]->forward(torch::gelu(ups[b]->forward(norms[b]->forward(x))));
-    return torch::nn::functional::cross_entropy(head->forward(final_norm->forward(x)).view({-1, kVocab}), target.view(-1));
-  }
-};
-
 struct Tp2d : torch::nn::Module {
   TensorGrid& g;
   VocabEmbedding2D emb{nullptr};
@@ -177,7 +126,7 @@ struct Tp2d : torch::nn::Module {
   std::vector<Linear2D> ups, downs;
   LayerNorm2D final_norm{nullptr};
   Linear2D head{nullptr};
-  Tp2d(Full& f, TensorGrid& grid) : g(grid) {
+  Tp2d(BlockStack& f, TensorGrid& grid) : g(grid) {
     emb = register_module("emb", VocabEmbedding2D(f.emb, g));
     for (size_t b = 0; b < f.ups.size(); ++b) {
       norms.push_back(register_module("norm" + std::to_string(b), LayerNorm2D(f.norms[b], g)));
@@ -197,48 +146,12 @@ struct Tp2d : torch::nn::Module {
 
 void training(Communicator& world, TensorGrid& g, bool budgeted) {
   torch::manual_seed(world.rank() + 7);
-  Full reference;
-  {
-    torch::NoGradGuard no_grad;  // non-trivial norms, so their gradients and slices matter
-    for (auto& n : reference.norms) n->weight.normal_(1.0, 0.2), n->bias.normal_(0.0, 0.2);
-  }
-  share_module(world, reference);
+  BlockStack reference(world);
   Tp2d model(reference, g);
-  AdamWConfig cfg;
-  cfg.lr = 1e-2f;
-  torch::optim::AdamW adamw(reference.parameters(), torch::optim::AdamWOptions(cfg.lr).weight_decay(cfg.weight_decay));
-  int64_t params = 0;
-  for (const auto& p : model.parameters()) params += p.numel();
-  EngineOptions o;
-  const uint64_t state = static_cast<uint64_t>(params) * model_state_bytes_per_param(o.precision);
-  o.budgets = {budgeted ? state / 4 : 2 * state + (1 << 20), state * 4 + (1 << 20), 0};
-  o.chunk_elems = budgeted ? 64 : 0;
-  o.clip_norm = 0.5;  // every step clips: the norm counts each block once (Note [Clipping across the tensor group])
-  const int64_t batch = 2 * g.batch_blocks();
-  {
-    auto engine = attach(model, cfg, o);
-    for (int s = 0; s < 10; ++s) {
-      const torch::Tensor ids = shared_ids(world, kVocab, {batch, 4}), target = shared_ids(world, kVocab, {batch, 4});
-      adamw.zero_grad();
-      torch::Tensor ref = reference.loss(ids, target);
-      ref.backward();
-      const double ref_norm = torch::nn::utils::clip_grad_norm_(reference.parameters(), o.clip_norm);
-      STRATA_CHECK(ref_norm > o.clip_norm, "the reference's gradient norm ", ref_norm, " did not need clipping");
-      adamw.step();
-      const StepResult r = engine->train_step([&] { return model.loss(g.split_batch(ids), g.split_batch(target)); });
-      const double norm_diff = std::abs(r.grad_norm - ref_norm) / ref_norm;
-      worst = std::max(worst, norm_diff);
-      STRATA_CHECK(norm_diff < 1e-5, "rank ", world.rank(), ": step ", s, " gradient norm ", r.grad_norm,
-                   " vs single process ", ref_norm);
-      const double diff = std::abs(r.loss - ref.item<double>()) / std::abs(ref.item<double>());
-      worst = std::max(worst, diff);
-      STRATA_CHECK(diff < 1e-5, "rank ", world.rank(), ": step ", s, " loss ", r.loss, " vs single process ",
-                   ref.item<double>());
-    }
-    const auto dev = engine->tier_stats(strata::memory::Tier::kDevice);
-    STRATA_CHECK(dev.peak <= dev.budget, "the device tier held ", dev.peak, " of its budget ", dev.budget);
-    STRATA_CHECK(!budgeted || dev.evictions > 0, "a device budget of a quarter of the model state evicted nothing");
-  }
+  train_against_stack(world, reference, model, 2 * g.batch_blocks(), budgeted,
+                      [&](const torch::Tensor& ids, const torch::Tensor& target) {
+                        return model.loss(g.split_batch(ids), g.split_batch(target));
+                      });
   const int q = g.q();
   expect_close(model.emb->weight, block(reference.emb->weight, q, g.row(), q, g.col()), "trained embedding block");
   for (size_t b = 0; b < reference.ups.size(); ++b) {
@@ -264,7 +177,7 @@ int main() {
     training(*world, grid, /*budgeted=*/false);
     training(*world, grid, /*budgeted=*/true);
     std::printf("rank %d: tensor parallel (%s, %d x %d x %d) matches single-process LibTorch (worst relative "
-                "difference %.2e)\n", world->rank(), depth == 1 ? "2D" : "2.5D", grid.q(), grid.q(), depth, worst);
+                "difference %.2e)\n", world->rank(), depth == 1 ? "2D" : "2.5D", grid.q(), grid.q(), depth, worst());
   } catch (const std::exception& e) {
     std::fprintf(stderr, "tp2d_check: %s\n", e.what());
     return 1;

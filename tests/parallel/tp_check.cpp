@@ -24,32 +24,16 @@
 #include "strata/parallel/parallelize.h"
 #include "strata/parallel/tensor_collectives.h"
 #include "strata/parallel/tensor_parallel.h"
+#include "rank_check.h"
 
 using namespace strata::parallel;
 
 namespace {
 
-double worst = 0;
-
-void expect_close(const torch::Tensor& got, const torch::Tensor& want, const std::string& what, double tol = 1e-5) {
-  STRATA_CHECK(got.sizes() == want.sizes(), what, ": shape ", got.sizes(), " vs ", want.sizes());
-  const double scale = std::max(want.abs().max().item<double>(), 1e-6);
-  const double diff = (got - want).abs().max().item<double>() / scale;
-  worst = std::max(worst, diff);
-  STRATA_CHECK(diff < tol, what, " differs from single-process LibTorch by ", diff, " (relative to its largest value)");
-}
-
-// Rank 0's values on every rank.
-torch::Tensor shared(Communicator& comm, torch::Tensor t) {
-  t = t.contiguous();
-  broadcast(comm, t, 0)->wait();
-  return t;
-}
-
-void share_module(Communicator& comm, torch::nn::Module& m) {
-  torch::NoGradGuard no_grad;
-  for (auto& p : m.parameters()) p.copy_(shared(comm, p.detach().clone()));
-}
+using rank_check::expect_close;
+using rank_check::share_module;
+using rank_check::shared;
+using rank_check::worst;
 
 void copy_module(torch::nn::Module& from, torch::nn::Module& to) {
   torch::NoGradGuard no_grad;
@@ -222,12 +206,12 @@ void train_against(Communicator& comm, Full& reference, torch::nn::Module& model
       adamw.step();
       const StepResult r = engine->train_step([&] { return loss(ids[replica], target[replica]); });
       const double norm_diff = std::abs(r.grad_norm - ref_norm) / ref_norm;
-      worst = std::max(worst, norm_diff);
+      worst() = std::max(worst(), norm_diff);
       STRATA_CHECK(norm_diff < 1e-5, "rank ", comm.rank(), ": step ", s, " gradient norm ", r.grad_norm,
                    " vs single process ", ref_norm);
       const double mean_loss = dp ? all_gather_mean(*dp, r.loss) : r.loss;
       const double diff = std::abs(mean_loss - ref.item<double>()) / std::abs(ref.item<double>());
-      worst = std::max(worst, diff);
+      worst() = std::max(worst(), diff);
       STRATA_CHECK(diff < 1e-5, "rank ", comm.rank(), ": step ", s, " loss ", mean_loss, " vs single process ",
                    ref.item<double>());
     }
@@ -446,7 +430,7 @@ int main() {
     training(*comm);
     plan(*comm, comm);
     std::printf("rank %d: tensor parallel (1D, %d ranks) matches single-process LibTorch (worst relative difference "
-                "%.2e)\n", comm->rank(), comm->world_size(), worst);
+                "%.2e)\n", comm->rank(), comm->world_size(), worst());
   } catch (const std::exception& e) {
     std::fprintf(stderr, "tp_check: %s\n", e.what());
     return 1;

@@ -1,0 +1,171 @@
+// Tensor parallelism, 3D: the cube and its layers.
+//
+// Note [3D linear]
+// Y = X W^T on a d x d x d cube. With the input on a side whose features are
+// on axis f and batch pieces on axis g: rank (i, j, k) holds X[batch piece
+// (i, c_g), input block c_f] and piece i of W[output block c_g, input block
+// c_f]. All-gathering X over axis g gives X[batch block i, input block c_f];
+// all-gathering W over axis 0 (i) gives W[output block c_g, input block c_f];
+// their product is rank's share of Y[batch block i, output block c_g], summed
+// over the input blocks by a reduce-scatter over axis f, which leaves piece
+// (i, c_f) of it: output features on axis g, pieces on axis f, the other
+// side. Backward is the transpose of each step: the reduce-scatter's
+// gradient is all-gathered, the gathers' gradients reduce-scattered (the
+// gathered tensors serve several batch blocks). Per layer each rank moves
+// (d - 1)/d of its input, weight and output blocks forward, and the same
+// backward.
+#include "strata/parallel/tensor_parallel_3d.h"
+
+#include <fmt/format.h>
+
+#include <cmath>
+#include <string>
+
+#include "strata/core/error.h"
+#include "strata/parallel/tensor_collectives.h"
+#include "strata/parallel/tensor_parallel.h"
+#include "group_function.h"
+
+namespace strata::parallel {
+
+namespace {
+
+using namespace group_ops;
+
+using AllReduceBoth = GroupFunction<all_reduce_sum, all_reduce_sum>;
+// Gathered along the first dimension for several ranks' uses: gradients summed back.
+using GatherFirstSummed = GroupFunction<all_gather_first, reduce_scatter_first>;
+using GatherLastSummed = GroupFunction<all_gather_last, reduce_scatter_last>;
+using ReduceScatterFirst = GroupFunction<reduce_scatter_first, all_gather_first>;
+
+int64_t block(int64_t n, int parts, const std::string& what) {
+  STRATA_CHECK(n % parts == 0, "3D tensor parallelism splits ", what, " (", n, ") into ", parts,
+               " equal blocks; choose sizes divisible by ", parts);
+  return n / parts;
+}
+
+torch::Tensor shared_over(const torch::Tensor& p, Communicator& group) {
+  return group.world_size() == 1 ? p : copy_to_group(p, group);
+}
+
+}  // namespace
+
+CubeGrid::CubeGrid(Communicator& group) : group_(&group) {
+  const int p = group.world_size();
+  d_ = static_cast<int>(std::lround(std::cbrt(static_cast<double>(p))));
+  STRATA_CHECK(d_ * d_ * d_ == p, "3D tensor parallelism needs d x d x d ranks (8, 27, 64, ...); the tensor group has ",
+               p, ": use 1D, 2D or 2.5D, or a tensor size that is a cube");
+  const int r = group.rank();
+  k_ = r % d_;
+  j_ = (r / d_) % d_;
+  i_ = r / (d_ * d_);
+  const auto at = [&](int i, int j, int k) { return (i * d_ + j) * d_ + k; };
+  std::vector<int> axes[3], planes[3];
+  for (int c = 0; c < d_; ++c) {
+    axes[0].push_back(at(c, j_, k_));
+    axes[1].push_back(at(i_, c, k_));
+    axes[2].push_back(at(i_, j_, c));
+  }
+  for (int a = 0; a < d_; ++a) {
+    for (int b = 0; b < d_; ++b) {
+      planes[1].push_back(at(a, j_, b));  // sharing j, numbered i * d + k
+      planes[2].push_back(at(a, b, k_));  // sharing k, numbered i * d + j
+    }
+  }
+  for (int a = 0; a < 3; ++a) {
+    const int fixed[3] = {i_, j_, k_};
+    std::string key;
+    for (int b = 0; b < 3; ++b) key += b == a ? "*" : std::to_string(fixed[b]);
+    axes_[a] = group.split(axes[a], "cube-axis-" + key);
+  }
+  planes_[1] = group.split(planes[1], fmt::format("cube-plane-j{}", j_));
+  planes_[2] = group.split(planes[2], fmt::format("cube-plane-k{}", k_));
+}
+
+torch::Tensor CubeGrid::split_batch(const torch::Tensor& whole, Side3D side) const {
+  const int64_t n = block(whole.size(0), d_ * d_, "the batch");
+  return whole.narrow(0, n * (i_ * d_ + coord(piece_axis(side))), n).contiguous();
+}
+
+torch::Tensor CubeGrid::split(const torch::Tensor& whole, Side3D side) const {
+  const int64_t f = block(whole.size(-1), d_, "the features");
+  return split_batch(whole, side).narrow(-1, f * coord(feature_axis(side)), f).contiguous();
+}
+
+Linear3DImpl::Linear3DImpl(int64_t in, int64_t out, CubeGrid& g, Side3D side, bool with_bias)
+    : Linear3DImpl(torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(with_bias)), g, side) {}
+
+Linear3DImpl::Linear3DImpl(const torch::nn::Linear& full, CubeGrid& g, Side3D side) : grid(&g), input_side(side) {
+  const int d = g.d();
+  const int f = CubeGrid::feature_axis(side), o = CubeGrid::piece_axis(side);
+  const int64_t out = block(full->weight.size(0), d, "the output features");
+  const int64_t in = block(full->weight.size(1), d, "the input features");
+  const int64_t piece = block(out, d, "a block of the output features");
+  torch::NoGradGuard no_grad;
+  weight = register_parameter(
+      "weight", full->weight.narrow(0, out * g.coord(o) + piece * g.i(), piece).narrow(1, in * g.coord(f), in).clone());
+  mark_split(weight, g.group(), 1);
+  if (full->bias.defined()) {
+    bias = register_parameter("bias", full->bias.narrow(0, out * g.coord(o), out).clone());
+    mark_split(bias, g.group(), d * d);
+  }
+}
+
+torch::Tensor Linear3DImpl::forward(const torch::Tensor& x) {
+  // Note [3D linear].
+  const int f = CubeGrid::feature_axis(input_side), o = CubeGrid::piece_axis(input_side);
+  const torch::Tensor xg = GatherFirstSummed::apply(&grid->axis(o), x);
+  const torch::Tensor wg = GatherFirstSummed::apply(&grid->axis(0), weight);
+  torch::Tensor y = ReduceScatterFirst::apply(&grid->axis(f), torch::matmul(xg, wg.t()));
+  return bias.defined() ? y + shared_over(bias, grid->plane(o)) : y;
+}
+
+LayerNorm3DImpl::LayerNorm3DImpl(const torch::nn::LayerNorm& full, CubeGrid& g, Side3D s) : grid(&g), side(s) {
+  const auto& shape = full->options.normalized_shape();
+  STRATA_CHECK(shape.size() == 1 && full->options.elementwise_affine(), "LayerNorm3D normalises over the last "
+               "dimension with a weight and a bias");
+  features = shape[0];
+  eps = full->options.eps();
+  const int64_t f = block(features, g.d(), "the normalised features");
+  const int c = g.coord(CubeGrid::feature_axis(s));
+  torch::NoGradGuard no_grad;
+  weight = register_parameter("weight", full->weight.narrow(0, f * c, f).clone());
+  bias = register_parameter("bias", full->bias.narrow(0, f * c, f).clone());
+  mark_split(weight, g.group(), g.d() * g.d());
+  mark_split(bias, g.group(), g.d() * g.d());
+}
+
+torch::Tensor LayerNorm3DImpl::forward(const torch::Tensor& x) {
+  const int f = CubeGrid::feature_axis(side);
+  Communicator& across = grid->axis(f);  // the other feature blocks of the same rows
+  const torch::Tensor mean = AllReduceBoth::apply(&across, x.sum(-1, true)) / static_cast<double>(features);
+  const torch::Tensor centred = x - mean;
+  const torch::Tensor var =
+      AllReduceBoth::apply(&across, (centred * centred).sum(-1, true)) / static_cast<double>(features);
+  return centred * torch::rsqrt(var + eps) * shared_over(weight, grid->plane(f)) + shared_over(bias, grid->plane(f));
+}
+
+Embedding3DImpl::Embedding3DImpl(const torch::nn::Embedding& full, CubeGrid& g, Side3D s) : grid(&g), side(s) {
+  const int d = g.d();
+  const int f = CubeGrid::feature_axis(s), o = CubeGrid::piece_axis(s);
+  const int64_t dim = block(full->weight.size(1), d, "the embedding dim");
+  const int64_t piece = block(dim, d * d, "a block of the embedding dim");
+  torch::NoGradGuard no_grad;
+  weight = register_parameter(
+      "weight", full->weight.narrow(1, dim * g.coord(f) + piece * (g.i() * d + g.coord(o)), piece).clone());
+  mark_split(weight, g.group(), 1);
+}
+
+torch::Tensor Embedding3DImpl::forward(const torch::Tensor& ids) {
+  // The plane of this feature block holds its d^2 pieces, numbered i * d + (piece axis).
+  const torch::Tensor w = GatherLastSummed::apply(&grid->plane(CubeGrid::feature_axis(side)), weight);
+  return torch::embedding(w, ids);
+}
+
+torch::Tensor cross_entropy_3d(const torch::Tensor& logits, const torch::Tensor& target, CubeGrid& grid, Side3D side) {
+  const int f = CubeGrid::feature_axis(side);
+  const torch::Tensor mine = vocab_parallel_cross_entropy(logits, target, grid.axis(f));
+  return reduce_from_group(mine, grid.plane(f)) / static_cast<double>(grid.d() * grid.d());
+}
+
+}  // namespace strata::parallel
