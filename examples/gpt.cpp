@@ -154,7 +154,7 @@ int run(int argc, char** argv) {
   bool decay_all = false;
   int pp = 1, microbatches = 0, virtual_stages = 1, seq_ranks = 1, tp = 1;
   std::string sp_mode = "ring-attention", tp_mode = "1d";
-  bool print_losses = false;
+  bool print_losses = false, untied_head = false;
   std::string pp_schedule = "1f1b";
   // Engine options: the environment first, flags over it.
   strata::parallel::EngineOptions defaults;
@@ -210,8 +210,14 @@ int run(int argc, char** argv) {
   app.add_option("--tp", tp, "tensor-parallel ranks: each holds 1/--tp of every block's weights and of the vocabulary "
                  "(ranks of strata run -n beyond --tp form the data axis)")
       ->check(CLI::PositiveNumber);
-  app.add_option("--tp-mode", tp_mode, "tensor parallelism: 1d (Megatron's split, through parallelize and a plan)")
-      ->check(CLI::IsMember({"1d"}));
+  int tp_depth = 2;
+  app.add_option("--tp-mode", tp_mode, "tensor parallelism: 1d (Megatron's split, through parallelize and a plan), "
+                 "2d (SUMMA over a q x q grid), 2.5d (Tesseract, q x q x --tp-depth) or 3d (a d x d x d cube); 2d, "
+                 "2.5d and 3d build the model from their layers, with an untied output projection")
+      ->check(CLI::IsMember({"1d", "2d", "2.5d", "3d"}));
+  app.add_option("--tp-depth", tp_depth, "2.5d: the grid's depth")->check(CLI::PositiveNumber);
+  app.add_flag("--untied-head", untied_head, "an output projection of its own, not the token embedding (as --tp-mode "
+               "2d, 2.5d and 3d have; for comparing with them)");
   app.add_flag("--print-losses", print_losses, "print every step's loss (averaged over the ranks) with 8 digits");
   app.add_option("--schedule-steps", schedule_steps,
                  "the schedule's length in steps; 0: --steps (set it to stop early and --resume later on the same schedule)")
@@ -305,26 +311,48 @@ int run(int argc, char** argv) {
   };
   STRATA_CHECK(tp == 1 || (pp == 1 && seq_ranks == 1), "--tp with --pp or --sp: this example combines tensor "
                "parallelism with the data axis only; drop one of them");
+  const bool grid_mode = tp > 1 && tp_mode != "1d";
+  mc.tied_head = !(untied_head || grid_mode);
   torch::manual_seed(0);
   Gpt model(mc);
   const int64_t params = strata::examples::count_parameters(*model);
   // --tp: the ranks as data x tensor; the model as one process builds it,
   // then each rank keeps its part (parallelize, a plan of Megatron's styles).
   std::shared_ptr<spp::Communicator> tp_world, tp_group, tp_data;
+  std::unique_ptr<spp::TensorGrid> grid;
+  std::unique_ptr<spp::CubeGrid> cube;
+  strata::examples::GptGrid grid_model{nullptr};
   int tp_dp_rank = 0;
   int64_t rank_params = params;
   if (tp > 1) {
     const spp::Rendezvous r0 = spp::Rendezvous::from_env();
     STRATA_CHECK(r0.world_size % tp == 0, "--tp ", tp, " does not divide the ", r0.world_size,
                  " ranks: run strata run -n with a multiple of --tp");
-    STRATA_CHECK(mc.heads % tp == 0, "--tp ", tp, " splits the ", mc.heads, " heads: use a head count divisible by it");
+    STRATA_CHECK(grid_mode || mc.heads % tp == 0, "--tp ", tp, " splits the ", mc.heads,
+                 " heads: use a head count divisible by it");
     tp_world = spp::make_gloo_communicator(r0);
     spp::DeviceMesh mesh = spp::DeviceMesh::create(*tp_world, {r0.world_size / tp, 1, tp, 1});
     tp_dp_rank = mesh.coords[spp::DeviceMesh::kData];
     tp_group = std::shared_ptr<spp::Communicator>(std::move(mesh.groups[spp::DeviceMesh::kTensor]));
     tp_data = std::shared_ptr<spp::Communicator>(std::move(mesh.groups[spp::DeviceMesh::kData]));
-    rank_params = spp::parallelize(*model, *tp_group, strata::examples::gpt_tensor_parallel_plan()).local_params;
+    if (!grid_mode) {
+      rank_params = spp::parallelize(*model, *tp_group, strata::examples::gpt_tensor_parallel_plan()).local_params;
+    } else {
+      // The layers of the mode, from the one-process model's weights.
+      if (tp_mode == "3d") {
+        cube = std::make_unique<spp::CubeGrid>(*tp_group);
+      } else {
+        grid = std::make_unique<spp::TensorGrid>(*tp_group, tp_mode == "2.5d" ? tp_depth : 1);
+      }
+      grid_model = strata::examples::GptGrid(*model, grid.get(), cube.get());
+      rank_params = strata::examples::count_parameters(*grid_model);
+    }
   }
+  // What trains: the model, or its 2D or 3D form.
+  torch::nn::Module& trained = grid_model ? static_cast<torch::nn::Module&>(*grid_model) : *model;
+  const auto loss_of = [&](const torch::Tensor& x, const torch::Tensor& y) {
+    return grid_model ? grid_model->loss(x, y) : model->loss(x, y);
+  };
   namespace sp = strata::parallel;
   sp::OptimizerConfig cfg;
   cfg.kind = sp::parse_optimizer(optimizer);
@@ -332,7 +360,7 @@ int run(int argc, char** argv) {
   cfg.weight_decay = weight_decay;
   if (cfg.kind == sp::OptimizerKind::kLion) cfg.beta2 = 0.99;
   if (cfg.kind == sp::OptimizerKind::kSgd) cfg.momentum = 0.9;
-  if (!decay_all) cfg.groups.push_back(sp::no_decay_group(*model));
+  if (!decay_all) cfg.groups.push_back(sp::no_decay_group(trained));
   if (schedule_steps == 0) schedule_steps = steps;
   if (warmup < 0) warmup = schedule_steps / 10;
   warmup = std::min(warmup, schedule_steps);
@@ -383,7 +411,7 @@ int run(int argc, char** argv) {
     opts.nvme_dir += "/rank" + std::to_string(rv.rank);  // each rank's NVMe tier has files of its own
   }
   const bool lead = rv.rank == 0;
-  auto engine = strata::parallel::attach(*model, cfg, opts, comm);
+  auto engine = strata::parallel::attach(trained, cfg, opts, comm);
   // Each replica its own batches; the ranks of one sequence group draw the
   // same ones (with one replica, the same as one process would).
   if (seq_ranks > 1 && rv.world_size > seq_ranks) torch::manual_seed(1 + sp_dp_rank);
@@ -419,7 +447,7 @@ int run(int argc, char** argv) {
   for (int step = first_step; step <= steps; ++step) {
     const auto [full_x, full_y] = strata::examples::sample_batch(corpus, batch, mc.context);
     const torch::Tensor x = my_positions(full_x), y = my_positions(full_y);
-    const auto r = engine->train_step([&] { return model->loss(x, y); });
+    const auto r = engine->train_step([&] { return loss_of(x, y); });
     if (print_losses) {
       spp::Communicator* everyone = tp_world ? tp_world.get() : comm.get();
       const std::vector<double> all = everyone ? spp::all_gather_values(*everyone, {r.loss}) : std::vector<double>{r.loss};
@@ -469,7 +497,7 @@ int run(int argc, char** argv) {
   }
   // Sample a line from the trained model (one process or data parallel: with
   // --sp the sequence would have to be split over the group too).
-  if (seq_ranks == 1) {
+  if (seq_ranks == 1 && !grid_model) {
     torch::Tensor idx = corpus.slice(0, 0, 8).unsqueeze(0);
     for (int i = 0; i < 80; ++i) {
       const torch::Tensor ctx = idx.slice(1, std::max<int64_t>(0, idx.size(1) - mc.context));

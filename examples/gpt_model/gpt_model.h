@@ -9,6 +9,8 @@
 #include <string>
 
 #include "strata/parallel/parallelize.h"
+#include "strata/parallel/tensor_parallel_2d.h"
+#include "strata/parallel/tensor_parallel_3d.h"
 
 namespace strata::examples {
 
@@ -21,6 +23,9 @@ struct GptConfig {
   /// Activation checkpointing per block: each block's activations are
   /// recomputed in backward instead of kept (strata::parallel::checkpoint).
   bool checkpoint_blocks = false;
+  /// The output projection tied to the token embedding (false: a head of its
+  /// own, as the 2D and 3D tensor-parallel model and the pipeline's layers have).
+  bool tied_head = true;
   /// Sequence parallelism (examples/gpt --sp): this rank holds some of each
   /// sequence's positions. `attention` replaces the causal softmax attention
   /// of q, k, v [batch, heads, local positions, head_dim] (a
@@ -55,8 +60,33 @@ struct GptImpl : torch::nn::Module {
   torch::nn::Embedding tok{nullptr}, pos{nullptr};
   torch::nn::ModuleList blocks;
   torch::nn::LayerNorm ln{nullptr};
+  torch::nn::Linear head{nullptr};  // untied only
 };
 TORCH_MODULE(Gpt);
+
+/// The same transformer (untied head) split over a 2D or 2.5D TensorGrid, or
+/// a 3D CubeGrid (exactly one of them), from a one-process model's weights:
+/// every rank of the tensor group builds `full` alike, then keeps its parts.
+/// Each rank holds 1/(q^2 d) or 1/d^3 of every activation and weight.
+struct GptGridImpl : torch::nn::Module {
+  GptGridImpl(GptImpl& full, strata::parallel::TensorGrid* grid, strata::parallel::CubeGrid* cube);
+  /// The mean cross-entropy over the whole batch of ids `x` [batch, time]
+  /// and targets `y` (the same on every rank of the tensor group; each rank
+  /// takes its part).
+  torch::Tensor loss(const torch::Tensor& x, const torch::Tensor& y);
+
+  strata::parallel::TensorGrid* grid;
+  strata::parallel::CubeGrid* cube;
+  int heads, head_dim;
+  torch::nn::AnyModule tok, pos, ln;
+  torch::nn::AnyModule head;
+  struct Block {
+    torch::nn::AnyModule ln1, qkv, proj, ln2, up, down;
+  };
+  std::vector<Block> blocks;
+  torch::nn::ModuleList block_list;
+};
+TORCH_MODULE(GptGrid);
 
 /// The same transformer as a torch::nn::Sequential of layers for pipeline
 /// parallelism (strata::parallel::pipeline): embedding (tokens and

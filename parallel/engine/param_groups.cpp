@@ -1,5 +1,7 @@
 // no_decay_group: the standard split of LLM recipes (no weight decay on
-// biases, norm weights and embeddings), found by module type and name.
+// biases, norm weights and embeddings), found by module type and name (a
+// module whose type is named ...LayerNorm... or ...Embedding... counts, so the
+// tensor-parallel layers do).
 
 #include <torch/torch.h>
 
@@ -17,11 +19,13 @@ bool is_norm(torch::nn::Module& m) {
          m.as<torch::nn::BatchNorm1dImpl>() || m.as<torch::nn::BatchNorm2dImpl>() ||
          m.as<torch::nn::BatchNorm3dImpl>() || m.as<torch::nn::InstanceNorm1dImpl>() ||
          m.as<torch::nn::InstanceNorm2dImpl>() || m.as<torch::nn::InstanceNorm3dImpl>() ||
-         m.as<torch::nn::LocalResponseNormImpl>();
+         m.as<torch::nn::LocalResponseNormImpl>() ||
+         m.name().find("LayerNorm") != std::string::npos;  // tensor-parallel norms (LayerNorm2D, LayerNorm3D)
 }
 
 bool is_embedding(torch::nn::Module& m) {
-  return m.as<torch::nn::EmbeddingImpl>() || m.as<torch::nn::EmbeddingBagImpl>();
+  return m.as<torch::nn::EmbeddingImpl>() || m.as<torch::nn::EmbeddingBagImpl>() ||
+         m.name().find("Embedding") != std::string::npos;  // tensor-parallel embeddings
 }
 
 }  // namespace
