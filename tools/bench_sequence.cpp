@@ -22,6 +22,7 @@
 #include <nlohmann/json.hpp>
 
 #include "commands.h"
+#include "counting_communicator.h"
 #include "strata/core/bytes.h"
 #include "strata/core/dtype.h"
 #include "strata/core/error.h"
@@ -33,52 +34,6 @@ namespace strata::tools {
 namespace {
 
 using parallel::Communicator;
-using parallel::ReduceOp;
-using parallel::WorkHandle;
-
-// Counts the bytes this rank sends; forwards everything.
-class CountingCommunicator final : public Communicator {
- public:
-  explicit CountingCommunicator(Communicator& inner) : inner_(inner) {}
-  int rank() const override { return inner_.rank(); }
-  int world_size() const override { return inner_.world_size(); }
-  std::string backend() const override { return inner_.backend(); }
-  WorkHandle all_reduce(void* buf, size_t count, DType dtype, ReduceOp op) override {
-    add(2 * count * dtype_size(dtype) * (world_size() - 1) / world_size());
-    return inner_.all_reduce(buf, count, dtype, op);
-  }
-  WorkHandle reduce_scatter(const void* in, void* out, size_t count, DType dtype, ReduceOp op) override {
-    add(count * dtype_size(dtype) * (world_size() - 1));
-    return inner_.reduce_scatter(in, out, count, dtype, op);
-  }
-  WorkHandle all_gather(const void* in, void* out, size_t count, DType dtype) override {
-    add(count * dtype_size(dtype) * (world_size() - 1));
-    return inner_.all_gather(in, out, count, dtype);
-  }
-  WorkHandle broadcast(void* buf, size_t count, DType dtype, int root) override {
-    if (rank() == root) add(count * dtype_size(dtype));
-    return inner_.broadcast(buf, count, dtype, root);
-  }
-  WorkHandle all_to_all(const void* in, void* out, size_t count, DType dtype) override {
-    add(count * dtype_size(dtype) * (world_size() - 1));
-    return inner_.all_to_all(in, out, count, dtype);
-  }
-  WorkHandle send(const void* buf, size_t bytes, int peer, uint32_t tag) override {
-    add(bytes);
-    return inner_.send(buf, bytes, peer, tag);
-  }
-  WorkHandle recv(void* buf, size_t bytes, int peer, uint32_t tag) override { return inner_.recv(buf, bytes, peer, tag); }
-  WorkHandle barrier() override { return inner_.barrier(); }
-  std::unique_ptr<Communicator> split(const std::vector<int>& ranks, const std::string& name) override {
-    return inner_.split(ranks, name);
-  }
-  uint64_t take() { return sent_.exchange(0); }
-
- private:
-  void add(uint64_t n) { sent_ += n; }
-  Communicator& inner_;
-  std::atomic<uint64_t> sent_{0};
-};
 
 struct SequenceBenchOptions {
   int64_t context = 2048;
