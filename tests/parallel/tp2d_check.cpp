@@ -15,8 +15,11 @@
 // Prints "rank R: tensor parallel (2D|2.5D, q x q x d) matches single-process LibTorch" or fails.
 #include <torch/torch.h>
 
+#include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <functional>
+#include <thread>
 
 #include "strata/core/error.h"
 #include "strata/parallel/communicator.h"
@@ -164,15 +167,34 @@ void training(Communicator& world, TensorGrid& g, bool budgeted) {
 
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
+  // --stuck: rank 1 (rank 0's row) stops answering after the grid is built (as
+  // a dead or hung rank would); the others must fail with an error within the
+  // communicator's timeout (STRATA_COMM_TIMEOUT), not hang.
+  const bool stuck = argc > 1 && std::string(argv[1]) == "--stuck";
   try {
-    std::shared_ptr<Communicator> world = make_gloo_communicator(Rendezvous::from_env());
+    CommunicatorOptions co;
+    if (const char* t = std::getenv("STRATA_COMM_TIMEOUT")) co.timeout = std::chrono::seconds(std::atoi(t));
+    std::shared_ptr<Communicator> world = make_gloo_communicator(Rendezvous::from_env(), co);
     const int depth = world->world_size() == 8 ? 2 : 1;
     // A world the mode does not fit (2D on 8 ranks, 2.5D of depth 2 on 4): refused before any collective.
     const std::string wrong = expect_error([&] { TensorGrid(*world, world->world_size() == 8 ? 1 : 2); });
     STRATA_CHECK(wrong.find("tensor parallelism needs q x q") != std::string::npos, "a grid of the wrong size gave: ",
                  wrong);
     TensorGrid grid(*world, depth);
+    if (stuck && world->rank() == 1) {  // in rank 0's row
+      std::this_thread::sleep_for(std::chrono::seconds(60));  // the launcher stops it when rank 0 fails
+      std::_Exit(3);
+    }
+    if (stuck) {
+      torch::nn::Linear full(8, 8);
+      Linear2D lin(full, grid);
+      lin->forward(grid.split(torch::randn({2 * grid.batch_blocks(), 8})));
+      // Ranks whose groups miss rank 1 may finish; rank 0's row holds it.
+      STRATA_CHECK(world->rank() != 0, "a Linear2D forward finished with a rank of the grid not answering");
+      std::this_thread::sleep_for(std::chrono::seconds(60));  // the launcher stops it when rank 0 fails
+      std::_Exit(3);
+    }
     layers(*world, grid);
     training(*world, grid, /*budgeted=*/false);
     training(*world, grid, /*budgeted=*/true);
