@@ -216,6 +216,9 @@ int run(int argc, char** argv) {
                  "2.5d and 3d build the model from their layers, with an untied output projection")
       ->check(CLI::IsMember({"1d", "2d", "2.5d", "3d"}));
   app.add_option("--tp-depth", tp_depth, "2.5d: the grid's depth")->check(CLI::PositiveNumber);
+  bool tp_sequence = false;
+  app.add_flag("--sequence-parallel", tp_sequence, "with --tp-mode 1d: Megatron's sequence parallelism, the norms and "
+               "the residual stream on 1/--tp of the positions each");
   app.add_flag("--untied-head", untied_head, "an output projection of its own, not the token embedding (as --tp-mode "
                "2d, 2.5d and 3d have; for comparing with them)");
   app.add_flag("--print-losses", print_losses, "print every step's loss (averaged over the ranks) with 8 digits");
@@ -276,6 +279,7 @@ int run(int argc, char** argv) {
   // (each rank's loss is the mean over its positions).
   namespace spp = strata::parallel;
   std::shared_ptr<spp::Communicator> sp_world, sp_group;
+  spp::sequence::Attention sp_attention{nullptr};
   int sp_dp_rank = 0;
   const bool zigzag = sp_mode == "ring-attention";
   if (seq_ranks > 1) {
@@ -290,28 +294,22 @@ int run(int argc, char** argv) {
     spp::DeviceMesh mesh = spp::DeviceMesh::create(*sp_world, {r0.world_size / seq_ranks, 1, 1, seq_ranks});
     sp_dp_rank = mesh.coords[spp::DeviceMesh::kData];
     sp_group = std::shared_ptr<spp::Communicator>(std::move(mesh.groups[spp::DeviceMesh::kSequence]));
-    spp::Communicator* g = sp_group.get();
-    const std::string mode = sp_mode;
-    mc.attention = [g, mode](const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
-      if (mode == "ulysses") return spp::ulysses_attention(q, k, v, *g, true);
-      if (mode == "ring-self-attention") return spp::ring_self_attention(q, k, v, *g, true);
-      return spp::ring_attention(q, k, v, *g, true, spp::SequenceLayout::kZigzag);
+    // The attention, the shards and the positions of the chosen mode (parallel::sequence::Attention).
+    spp::sequence::AttentionOptions ao;
+    ao.mode = spp::sequence::parse_mode(sp_mode);
+    sp_attention = spp::sequence::Attention(*sp_group, ao);
+    spp::sequence::Attention att = sp_attention;
+    mc.attention = [att](const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) mutable {
+      return att->forward(q, k, v);
     };
-    const int64_t n = seq_ranks, r = g->rank();
-    mc.positions = [n, r, zigzag](int64_t local) {
-      if (!zigzag) return torch::arange(local) + r * local;
-      const int64_t c = local / 2;
-      return torch::cat({torch::arange(c) + r * c, torch::arange(c) + (2 * n - 1 - r) * c});
-    };
+    mc.positions = [att](int64_t local) { return att->positions(local); };
   }
   // This rank's positions of a batch [batch, context].
-  const auto my_positions = [&](const torch::Tensor& t) {
-    if (seq_ranks == 1) return t;
-    return zigzag ? spp::split_sequence_zigzag(t, 1, *sp_group) : spp::split_sequence(t, 1, *sp_group);
-  };
+  const auto my_positions = [&](const torch::Tensor& t) { return seq_ranks == 1 ? t : sp_attention->shard(t, 1); };
   STRATA_CHECK(tp == 1 || (pp == 1 && seq_ranks == 1), "--tp with --pp or --sp: this example combines tensor "
                "parallelism with the data axis only; drop one of them");
   const bool grid_mode = tp > 1 && tp_mode != "1d";
+  STRATA_CHECK(!tp_sequence || (tp > 1 && tp_mode == "1d"), "--sequence-parallel goes with --tp N (N > 1) in mode 1d");
   mc.tied_head = !(untied_head || grid_mode);
   torch::manual_seed(0);
   Gpt model(mc);
@@ -336,7 +334,8 @@ int run(int argc, char** argv) {
     tp_group = std::shared_ptr<spp::Communicator>(std::move(mesh.groups[spp::DeviceMesh::kTensor]));
     tp_data = std::shared_ptr<spp::Communicator>(std::move(mesh.groups[spp::DeviceMesh::kData]));
     if (!grid_mode) {
-      rank_params = spp::parallelize(*model, *tp_group, strata::examples::gpt_tensor_parallel_plan()).local_params;
+      rank_params =
+          spp::parallelize(*model, *tp_group, strata::examples::gpt_tensor_parallel_plan(tp_sequence)).local_params;
     } else {
       // The layers of the mode, from the one-process model's weights.
       if (tp_mode == "3d") {
@@ -495,9 +494,10 @@ int run(int argc, char** argv) {
     engine->export_weights(export_weights);
     if (lead) fmt::print("weights written to {} (safetensors)\n", export_weights);
   }
-  // Sample a line from the trained model (one process or data parallel: with
-  // --sp the sequence would have to be split over the group too).
-  if (seq_ranks == 1 && !grid_model) {
+  // Sample a line from the trained model (one process, data parallel or 1D
+  // tensor parallel: with --sp or --sequence-parallel the growing sequence
+  // would have to split over the group, and 2D/3D models take whole batches).
+  if (seq_ranks == 1 && !grid_model && !tp_sequence) {
     torch::Tensor idx = corpus.slice(0, 0, 8).unsqueeze(0);
     for (int i = 0; i < 80; ++i) {
       const torch::Tensor ctx = idx.slice(1, std::max<int64_t>(0, idx.size(1) - mc.context));

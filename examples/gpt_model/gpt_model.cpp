@@ -20,11 +20,13 @@ GptBlockImpl::GptBlockImpl(int dim, int heads_) : heads(heads_) {
 }
 
 torch::Tensor GptBlockImpl::forward(torch::Tensor x, const torch::Tensor& mask) {
-  // Heads counted from the tensors (-1): under tensor parallelism (the plan
-  // gpt_tensor_parallel_plan) qkv's output holds this rank's heads only.
-  const int64_t b = x.size(0), t = x.size(1), hd = x.size(2) / heads;
+  // Heads and positions counted from the tensors: under tensor parallelism
+  // (the plan gpt_tensor_parallel_plan) qkv's output holds this rank's heads
+  // only, and with sequence parallelism x holds this rank's positions while
+  // qkv's output holds all of them.
+  const int64_t b = x.size(0), hd = x.size(2) / heads;
   auto parts = qkv->forward(ln1->forward(x)).chunk(3, -1);
-  auto split = [&](const torch::Tensor& y) { return y.view({b, t, -1, hd}).transpose(1, 2); };
+  auto split = [&](const torch::Tensor& y) { return y.view({b, y.size(1), -1, hd}).transpose(1, 2); };
   torch::Tensor q = split(parts[0]), k = split(parts[1]), v = split(parts[2]);
   torch::Tensor y;
   if (attention) {
@@ -34,7 +36,7 @@ torch::Tensor GptBlockImpl::forward(torch::Tensor x, const torch::Tensor& mask) 
     att = torch::softmax(att.masked_fill(mask, -1e4), -1);
     y = torch::matmul(att, v);
   }
-  x = x + proj->forward(y.transpose(1, 2).contiguous().view({b, t, -1}));
+  x = x + proj->forward(y.transpose(1, 2).contiguous().view({b, y.size(2), -1}));
   return x + down->forward(torch::gelu(up->forward(ln2->forward(x))));
 }
 
@@ -238,14 +240,24 @@ torch::Tensor GptGridImpl::loss(const torch::Tensor& x_all, const torch::Tensor&
   return strata::parallel::cross_entropy_3d(flat, cube->split_batch(y_all, Side3D::kB).reshape(-1), *cube, Side3D::kB);
 }
 
-strata::parallel::ParallelPlan gpt_tensor_parallel_plan() {
+strata::parallel::ParallelPlan gpt_tensor_parallel_plan(bool sequence_parallel) {
   using strata::parallel::ParallelStyle;
-  return {{"blocks.*.qkv", ParallelStyle::columnwise(/*fused=*/3)},  // q, k and v: this rank's heads of each
-          {"blocks.*.proj", ParallelStyle::rowwise()},
-          {"blocks.*.up", ParallelStyle::columnwise()},
-          {"blocks.*.down", ParallelStyle::rowwise()},
-          // The output projection is tied to it: logits gathered whole for the loss.
-          {"tok", ParallelStyle::vocab_embedding()}};
+  // Activations are [batch, time, dim]: the sequence is dimension 1.
+  const auto seq = [&](ParallelStyle s) { return sequence_parallel ? s.along_sequence(1) : s; };
+  strata::parallel::ParallelPlan plan = {
+      {"blocks.*.qkv", seq(ParallelStyle::columnwise(/*fused=*/3))},  // q, k and v: this rank's heads of each
+      {"blocks.*.proj", seq(ParallelStyle::rowwise())},
+      {"blocks.*.up", seq(ParallelStyle::columnwise())},
+      {"blocks.*.down", seq(ParallelStyle::rowwise())},
+      // The output projection is tied to it: logits gathered whole for the loss.
+      {"tok", seq(ParallelStyle::vocab_embedding())}};
+  if (sequence_parallel) {
+    // The norms and the residual stream work on 1/P of the positions each.
+    plan.push_back({"blocks.*.ln*", ParallelStyle::sequence_shard()});
+    plan.push_back({"ln", ParallelStyle::sequence_shard()});
+    plan.push_back({"pos", ParallelStyle::sequence_shard(/*dim=*/0)});  // lookups [time, dim]: this rank's positions
+  }
+  return plan;
 }
 
 int64_t count_parameters(torch::nn::Module& module) {

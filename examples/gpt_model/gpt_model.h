@@ -102,7 +102,9 @@ torch::Tensor gpt_loss(const torch::Tensor& logits, const torch::Tensor& y);
 /// Megatron's split (q, k, v and the MLP's first layer column-wise, their
 /// output projections row-wise, the token embedding by vocabulary). The
 /// heads and the vocabulary must divide by the group's size.
-strata::parallel::ParallelPlan gpt_tensor_parallel_plan();
+/// `sequence_parallel`: Megatron's sequence parallelism as well, the norms
+/// and the residual stream on 1/P of the positions (the context must divide too).
+strata::parallel::ParallelPlan gpt_tensor_parallel_plan(bool sequence_parallel = false);
 
 int64_t count_parameters(torch::nn::Module& module);
 

@@ -76,6 +76,20 @@ inline torch::Tensor reduce_scatter_first(const torch::Tensor& x, Communicator& 
   return reduce_scatter_stacked(x.reshape(shape), group);
 }
 
+/// All-gather along dimension Dim (Megatron's sequence parallelism).
+template <int Dim>
+torch::Tensor all_gather_dim(const torch::Tensor& x, Communicator& group) {
+  if (group.world_size() == 1) return x;
+  return torch::cat(all_gather_stacked(x, group).unbind(0), Dim);
+}
+/// The sum over ranks of x, this rank's slice of dimension Dim.
+template <int Dim>
+torch::Tensor reduce_scatter_dim(const torch::Tensor& x, Communicator& group) {
+  if (group.world_size() == 1) return x;
+  slice_of(x.size(Dim), group, "the sequence dimension");  // a clear error when the group does not divide it
+  return reduce_scatter_stacked(torch::stack(x.chunk(group.world_size(), Dim), 0), group);
+}
+
 inline torch::Tensor own_slice_last(const torch::Tensor& x, Communicator& group) {
   if (group.world_size() == 1) return x;
   const auto [begin, end] = slice_of(x.size(-1), group, "the last dimension");

@@ -72,6 +72,39 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
 }  // namespace
 
 torch::Tensor copy_to_group(const torch::Tensor& x, Communicator& group) { return CopyToGroup::apply(&group, x); }
+
+namespace {
+// Note [Megatron's sequence parallelism]: all-gather along the sequence forward, reduce-scatter backward; and the transpose.
+template <int Dim>
+using GatherSequence = GroupFunction<group_ops::all_gather_dim<Dim>, group_ops::reduce_scatter_dim<Dim>>;
+template <int Dim>
+using ReduceScatterSequence = GroupFunction<group_ops::reduce_scatter_dim<Dim>, group_ops::all_gather_dim<Dim>>;
+
+int64_t sequence_dim(const torch::Tensor& x, int64_t dim) {
+  const int64_t d = dim < 0 ? dim + x.dim() : dim;
+  STRATA_CHECK(d >= 0 && d < x.dim() && d < 4, "sequence dimension ", dim, " of a tensor of ", x.dim(),
+               " dimensions: give one of its first four");
+  return d;
+}
+}  // namespace
+
+torch::Tensor gather_sequence(const torch::Tensor& x, Communicator& group, int64_t dim) {
+  switch (sequence_dim(x, dim)) {
+    case 0: return GatherSequence<0>::apply(&group, x);
+    case 1: return GatherSequence<1>::apply(&group, x);
+    case 2: return GatherSequence<2>::apply(&group, x);
+    default: return GatherSequence<3>::apply(&group, x);
+  }
+}
+
+torch::Tensor reduce_scatter_sequence(const torch::Tensor& x, Communicator& group, int64_t dim) {
+  switch (sequence_dim(x, dim)) {
+    case 0: return ReduceScatterSequence<0>::apply(&group, x);
+    case 1: return ReduceScatterSequence<1>::apply(&group, x);
+    case 2: return ReduceScatterSequence<2>::apply(&group, x);
+    default: return ReduceScatterSequence<3>::apply(&group, x);
+  }
+}
 torch::Tensor reduce_from_group(const torch::Tensor& x, Communicator& group) {
   return ReduceFromGroup::apply(&group, x);
 }

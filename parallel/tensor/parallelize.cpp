@@ -28,23 +28,29 @@ torch::Tensor plus(const torch::Tensor& y, const c10::optional<torch::Tensor>& b
 // Column-wise: W's rows (output features) are this rank's. The input's
 // gradient is all-reduced (f); the output is this rank's slice of the
 // features, or gathered whole (then the bias is whole too, added after).
+// With sequence parallelism the input is a sequence shard, all-gathered
+// (its backward reduce-scatter sums the input's gradient instead of f).
 struct ColumnLinear final : Placement {
   Communicator* group;
   bool gather;
-  ColumnLinear(Communicator& g, bool gather_output) : group(&g), gather(gather_output) {}
+  int64_t sequence_dim;  // -1: none
+  ColumnLinear(Communicator& g, bool gather_output, int64_t seq) : group(&g), gather(gather_output), sequence_dim(seq) {}
   c10::optional<torch::Tensor> linear(const torch::Tensor& x, const Product& local_product,
                                       const c10::optional<torch::Tensor>& bias) const override {
-    torch::Tensor y = local_product(copy_to_group(x, *group));
+    const torch::Tensor in = sequence_dim >= 0 ? gather_sequence(x, *group, sequence_dim) : copy_to_group(x, *group);
+    torch::Tensor y = local_product(in);
     return plus(gather ? gather_from_group(y, *group) : y, bias);
   }
 };
 
 // Row-wise: W's columns (input features) are this rank's; the partial
 // products are all-reduced (g) and the whole bias added once.
+// With sequence parallelism the sum is reduce-scattered along the sequence,
+// and the bias, added to a shard, gets its gradient summed over the group.
 struct RowLinear final : Placement {
   Communicator* group;
-  int64_t local_in;
-  RowLinear(Communicator& g, int64_t in_part) : group(&g), local_in(in_part) {}
+  int64_t local_in, sequence_dim;
+  RowLinear(Communicator& g, int64_t in_part, int64_t seq) : group(&g), local_in(in_part), sequence_dim(seq) {}
   c10::optional<torch::Tensor> linear(const torch::Tensor& x, const Product& local_product,
                                       const c10::optional<torch::Tensor>& bias) const override {
     const int64_t p = group->world_size();
@@ -52,7 +58,24 @@ struct RowLinear final : Placement {
                  " input features split over ", p, " ranks got an input of ", x.size(-1),
                  " features: give it the whole input or this rank's slice (a column-wise layer's output)");
     const torch::Tensor part = x.size(-1) == local_in && p > 1 ? x : scatter_to_group(x, *group);
-    return plus(reduce_from_group(local_product(part), *group), bias);
+    if (sequence_dim < 0) return plus(reduce_from_group(local_product(part), *group), bias);
+    const torch::Tensor y = reduce_scatter_sequence(local_product(part), *group, sequence_dim);
+    return bias.has_value() && bias->defined() ? y + copy_to_group(*bias, *group) : y;
+  }
+};
+
+// A whole parameter added to sequence shards (a row-wise layer's bias under
+// sequence parallelism, which LibTorch 1.13's F::linear adds after the
+// matmul): its gradient is summed over the group.
+struct SummedAdd final : Placement {
+  Communicator* group;
+  explicit SummedAdd(Communicator& g) : group(&g) {}
+  c10::optional<torch::Tensor> add(const torch::Tensor& self, const torch::Tensor& param, const c10::Scalar& alpha,
+                                   bool in_place) const override {
+    const torch::Tensor p = copy_to_group(param, *group);
+    if (!in_place) return torch::add(self, p, alpha);
+    torch::Tensor s = self;
+    return s.add_(p, alpha);
   }
 };
 
@@ -62,14 +85,46 @@ struct VocabEmbedding final : Placement {
   Communicator* group;
   int64_t begin;
   bool gather_logits;
-  VocabEmbedding(Communicator& g, int64_t vocab_begin, bool gather) : group(&g), begin(vocab_begin), gather_logits(gather) {}
+  int64_t sequence_dim;  // -1: none; else lookups reduce-scattered along it
+  VocabEmbedding(Communicator& g, int64_t vocab_begin, bool gather, int64_t seq)
+      : group(&g), begin(vocab_begin), gather_logits(gather), sequence_dim(seq) {}
   c10::optional<torch::Tensor> linear(const torch::Tensor& x, const Product& local_product,
                                       const c10::optional<torch::Tensor>& bias) const override {
-    return ColumnLinear(*group, gather_logits).linear(x, local_product, bias);
+    return ColumnLinear(*group, gather_logits, sequence_dim).linear(x, local_product, bias);
   }
   c10::optional<torch::Tensor> embedding(const torch::Tensor& weight, const torch::Tensor& ids, int64_t padding_idx,
                                          bool, bool) const override {
-    return vocab_parallel_embedding(weight, ids, begin, *group, padding_idx);
+    if (sequence_dim < 0) return vocab_parallel_embedding(weight, ids, begin, *group, padding_idx);
+    // As vocab_parallel_embedding, with the sum reduce-scattered along the sequence.
+    const int64_t end = begin + weight.size(0);
+    const torch::Tensor outside = (ids < begin) | (ids >= end);
+    const torch::Tensor local = (ids - begin).masked_fill(outside, 0);
+    const int64_t local_padding = padding_idx >= begin && padding_idx < end ? padding_idx - begin : -1;
+    const torch::Tensor rows = torch::embedding(weight, local, local_padding).masked_fill(outside.unsqueeze(-1), 0.0);
+    return reduce_scatter_sequence(rows, *group, sequence_dim);
+  }
+};
+
+// Whole on every rank, used on sequence shards: its gradient is summed over
+// the group. A LayerNorm normalises its shard's rows; an Embedding (of
+// positions) keeps this rank's 1/P of its output along `dim`.
+struct SequenceShard final : Placement {
+  Communicator* group;
+  int64_t dim;
+  SequenceShard(Communicator& g, int64_t d) : group(&g), dim(d) {}
+  c10::optional<torch::Tensor> layer_norm(const torch::Tensor& x, c10::IntArrayRef shape, const torch::Tensor& weight,
+                                          const c10::optional<torch::Tensor>& bias, double eps) const override {
+    const c10::optional<torch::Tensor> b =
+        bias.has_value() && bias->defined() ? c10::optional<torch::Tensor>(copy_to_group(*bias, *group)) : c10::nullopt;
+    return torch::layer_norm(x, shape, copy_to_group(weight, *group), b, eps);
+  }
+  c10::optional<torch::Tensor> embedding(const torch::Tensor& weight, const torch::Tensor& ids, int64_t padding_idx,
+                                         bool scale_grad_by_freq, bool sparse) const override {
+    const torch::Tensor rows =
+        torch::embedding(copy_to_group(weight, *group), ids, padding_idx, scale_grad_by_freq, sparse);
+    const int64_t d = dim < 0 ? dim + rows.dim() : dim;
+    const auto [b, e] = slice_of(rows.size(d), *group, "the sequence dimension of a position embedding's output");
+    return rows.narrow(d, b, e - b);
   }
 };
 
@@ -107,6 +162,7 @@ const char* style_name(ParallelStyle::Kind k) {
     case ParallelStyle::Kind::kRowwise: return "rowwise";
     case ParallelStyle::Kind::kVocabEmbedding: return "vocab_embedding";
     case ParallelStyle::Kind::kReplicated: return "replicated";
+    case ParallelStyle::Kind::kSequenceShard: return "sequence_shard";
   }
   return "?";
 }
@@ -119,6 +175,9 @@ struct Cut {
   torch::Tensor new_weight, new_bias;  // this rank's parts
   std::shared_ptr<const Placement> placement;
   bool bias_split = false;
+  std::shared_ptr<const Placement> bias_placement;  // a whole bias whose operators change (sequence parallel)
+  bool keep_shape = false;  // sequence_shard: whole on every rank, only its operators change
+  int copies = 1;           // ranks of the group holding the same part
 };
 
 // Rows [begin, end) of each of `fused` equal blocks along dim 0, concatenated.
@@ -136,12 +195,28 @@ Cut plan_cut(torch::nn::Module& m, const std::string& name, const ParallelStyle&
   Cut c;
   c.name = name;
   c.style = style;
+  const int64_t seq = style.sequence_parallel ? style.sequence_dim : -1;
+  STRATA_CHECK(!style.sequence_parallel || style.sequence_dim >= 0, "submodule ", name,
+               ": the sequence dimension must be 0 or more (got ", style.sequence_dim, ")");
   auto* linear = m.as<torch::nn::Linear>();
   auto* embedding = m.as<torch::nn::Embedding>();
   const std::string where = "submodule " + name + " (" + style_name(style.kind) + ")";
   switch (style.kind) {
     case ParallelStyle::Kind::kReplicated:
       return c;
+    case ParallelStyle::Kind::kSequenceShard: {
+      auto* norm = m.as<torch::nn::LayerNorm>();
+      STRATA_CHECK(norm != nullptr || embedding != nullptr, where, " is a ", m.name(), "; the sequence_shard style "
+                   "applies to a torch::nn::LayerNorm or an Embedding (of positions)");
+      STRATA_CHECK(norm == nullptr || norm->options.elementwise_affine(), where, ": a LayerNorm without a weight has "
+                   "nothing to split; leave it out of the plan");
+      c.weight = norm != nullptr ? norm->weight : embedding->weight;
+      c.bias = norm != nullptr ? norm->bias : torch::Tensor();
+      c.keep_shape = true;
+      c.copies = g.world_size();
+      c.placement = std::make_shared<SequenceShard>(g, style.sequence_dim);
+      return c;
+    }
     case ParallelStyle::Kind::kColumnwise: {
       STRATA_CHECK(linear != nullptr || embedding != nullptr, where, " is a ", m.name(),
                    "; the column-wise style splits a torch::nn::Linear or Embedding");
@@ -160,12 +235,13 @@ Cut plan_cut(torch::nn::Module& m, const std::string& name, const ParallelStyle&
         // Gathered output: the bias stays whole, added after the gather.
         c.bias_split = !style.gather_output;
         if (c.bias.defined() && c.bias_split) c.new_bias = fused_rows(c.bias, style.fused, g, what);
-        c.placement = std::make_shared<ColumnLinear>(g, style.gather_output);
+        c.placement = std::make_shared<ColumnLinear>(g, style.gather_output, seq);
       } else {
         c.weight = embedding->weight;
         STRATA_CHECK(style.fused == 1, where, ": an embedding has no fused blocks");
         const auto [b, e] = slice_of(c.weight.size(1), g, ("the embedding dim of " + name).c_str());
         c.new_weight = c.weight.narrow(1, b, e - b).contiguous();
+        STRATA_CHECK(seq < 0, where, ": an embedding split by dim takes no sequence dimension");
         c.placement = std::make_shared<ColumnEmbedding>(g, style.gather_output);
       }
       return c;
@@ -177,7 +253,8 @@ Cut plan_cut(torch::nn::Module& m, const std::string& name, const ParallelStyle&
       c.bias = linear->bias;  // whole: added once, after the all-reduce
       const auto [b, e] = slice_of(c.weight.size(1), g, ("the input features of " + name).c_str());
       c.new_weight = c.weight.narrow(1, b, e - b).contiguous();
-      c.placement = std::make_shared<RowLinear>(g, e - b);
+      c.placement = std::make_shared<RowLinear>(g, e - b, seq);
+      if (seq >= 0 && c.bias.defined()) c.bias_placement = std::make_shared<SummedAdd>(g);
       return c;
     }
     case ParallelStyle::Kind::kVocabEmbedding: {
@@ -188,7 +265,7 @@ Cut plan_cut(torch::nn::Module& m, const std::string& name, const ParallelStyle&
       c.weight = embedding->weight;
       const auto [b, e] = slice_of(c.weight.size(0), g, ("the vocabulary of " + name).c_str());
       c.new_weight = c.weight.narrow(0, b, e - b).contiguous();
-      c.placement = std::make_shared<VocabEmbedding>(g, b, style.gather_output);
+      c.placement = std::make_shared<VocabEmbedding>(g, b, style.gather_output, seq);
       return c;
     }
   }
@@ -237,8 +314,10 @@ ParallelizeResult parallelize(torch::nn::Module& module, Communicator& group, co
   }
   // Every check passed: change the module.
   for (Cut& c : cuts) {
-    replace_data(c.weight, c.new_weight);
-    tensor_layout::place(c.weight, group, 1, c.placement);
+    if (!c.keep_shape) replace_data(c.weight, c.new_weight);
+    tensor_layout::place(c.weight, group, c.copies, c.placement);
+    if (c.keep_shape && c.bias.defined()) mark_split(c.bias, group, c.copies);  // whole: counted once
+    if (c.bias_placement != nullptr) tensor_layout::place(c.bias, group, group.world_size(), c.bias_placement);
     if (c.bias.defined() && c.bias_split) {
       replace_data(c.bias, c.new_bias);
       mark_split(c.bias, group);

@@ -116,6 +116,25 @@ bool run_placed(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     out = e->placement->linear(x, [&](const at::Tensor& v) { return at::matmul(v, wt); },
                                addmm ? optional_tensor(a[0]) : c10::nullopt);
     STRATA_CHECK(out.has_value(), "a tensor-parallel parameter of this layout cannot be a linear layer's weight");
+  } else if (is_op(op, "aten::layer_norm")) {
+    const c10::optional<Entry> e = placed_arg(*stack, n, 2);
+    if (!e || e->transposed) return false;
+    const std::vector<c10::IValue> a = take_args(stack, n);
+    std::vector<int64_t> shape;  // int[] in LibTorch 1.13, SymInt[] in 2.x
+    for (const c10::IValue& v : a[1].toListRef()) shape.push_back(v.isInt() ? v.toInt() : v.toSymInt().expect_int());
+    out = e->placement->layer_norm(a[0].toTensor(), shape, a[2].toTensor(), optional_tensor(a[3]), a[4].toDouble());
+    STRATA_CHECK(out.has_value(), "a tensor-parallel parameter of this layout cannot be a norm's weight");
+  } else if ((op.schema().name() == "aten::add" || op.schema().name() == "aten::add_") &&
+             op.schema().overload_name() == "Tensor") {
+    const c10::optional<Entry> e = placed_arg(*stack, n, 1);
+    if (!e || e->transposed) return false;
+    const bool in_place = op.schema().name() == "aten::add_";
+    std::vector<c10::IValue> a = take_args(stack, n);
+    out = e->placement->add(a[0].toTensor(), a[1].toTensor(), a[2].toScalar(), in_place);
+    if (!out.has_value()) {  // no form of its own: the operator as it is
+      for (c10::IValue& v : a) torch::jit::push(*stack, std::move(v));
+      return false;
+    }
   } else if (is_op(op, "aten::embedding")) {
     const c10::optional<Entry> e = placed_arg(*stack, n, 0);
     if (!e || e->transposed) return false;

@@ -18,7 +18,10 @@
 //     with a bias and matmul(x, W.t()) (then += b) otherwise: aten::t on a
 //     placed parameter registers its result as the transposed weight, and
 //     aten::addmm and aten::matmul with that as their right operand are the
-//     linear layer.
+//     linear layer;
+//   - aten::layer_norm(x, shape, W, b, eps) (LibTorch's F::layer_norm, both versions);
+//   - aten::add and add_ with the parameter as the other operand (1.13's
+//     F::linear adds the bias so, after the matmul).
 // Every other operator (views, the optimizer's updates, autograd's backward
 // kernels) passes through unchanged, and sees this rank's part.
 // Tensor::set_data replaces a tensor's key set: the engine restores the key
@@ -45,6 +48,18 @@ class Placement {
                                            const std::function<at::Tensor(const at::Tensor&)>& local_product,
                                            const c10::optional<at::Tensor>& bias) const {
     (void)x, (void)local_product, (void)bias;
+    return c10::nullopt;
+  }
+  /// aten::layer_norm with this parameter as the weight, or nullopt.
+  virtual c10::optional<at::Tensor> layer_norm(const at::Tensor& x, c10::IntArrayRef shape, const at::Tensor& weight,
+                                               const c10::optional<at::Tensor>& bias, double eps) const {
+    (void)x, (void)shape, (void)weight, (void)bias, (void)eps;
+    return c10::nullopt;
+  }
+  /// self + alpha * this parameter (aten::add, or aten::add_ when `in_place`), or nullopt.
+  virtual c10::optional<at::Tensor> add(const at::Tensor& self, const at::Tensor& param, const c10::Scalar& alpha,
+                                        bool in_place) const {
+    (void)self, (void)param, (void)alpha, (void)in_place;
     return c10::nullopt;
   }
   /// aten::embedding with this parameter as the table, or nullopt.

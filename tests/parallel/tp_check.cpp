@@ -317,6 +317,46 @@ void plan(Communicator& comm, std::shared_ptr<Communicator> world) {
     expect_close(lin(seq, 4)->bias.grad(), lin(ref, 4)->bias.grad(), "row bias gradient, " + in);
   }
   {
+    // Megatron's sequence parallelism: a norm on sequence shards, a column-wise
+    // layer all-gathering them, a row-wise one reduce-scattering its output;
+    // the shard's output and every gradient as one process's.
+    torch::manual_seed(comm.rank() + 9);
+    auto make = [] {
+      return torch::nn::Sequential(torch::nn::LayerNorm(torch::nn::LayerNormOptions({8})), torch::nn::Linear(8, 16),
+                                   torch::nn::GELU(), torch::nn::Linear(16, 8));
+    };
+    torch::nn::Sequential ref = make(), seq = make();
+    {
+      torch::NoGradGuard no_grad;
+      ref[0]->as<torch::nn::LayerNorm>()->weight.normal_(1.0, 0.3);
+      ref[0]->as<torch::nn::LayerNorm>()->bias.normal_(0.0, 0.3);
+    }
+    share_module(comm, *ref);
+    copy_module(*ref, *seq);
+    parallelize(*seq, comm, {{"0", ParallelStyle::sequence_shard()},
+                             {"1", ParallelStyle::columnwise().along_sequence(1)},
+                             {"3", ParallelStyle::rowwise().along_sequence(1)}});
+    const int64_t s_len = 2 * comm.world_size();
+    const torch::Tensor x = shared(comm, torch::randn({3, s_len, 8})), w = shared(comm, torch::randn({3, s_len, 8}));
+    const auto [sb, se] = slice_of(s_len, comm, "the sequence");
+    auto shard = [&](const torch::Tensor& t) { return t.narrow(1, sb, se - sb).contiguous(); };
+    torch::Tensor xr = x.clone().requires_grad_(), xt = shard(x).requires_grad_();
+    torch::Tensor yr = ref->forward(xr), yt = seq->forward(xt);
+    expect_close(yt, shard(yr), "sequence-parallel output (this rank's positions)");
+    (yr * w).sum().backward();
+    (yt * shard(w)).sum().backward();
+    expect_close(xt.grad(), shard(xr.grad()), "sequence-parallel input gradient");
+    auto ln = [](torch::nn::Sequential& m) { return m[0]->as<torch::nn::LayerNorm>(); };
+    auto lin = [](torch::nn::Sequential& m, size_t i) { return m[i]->as<torch::nn::Linear>(); };
+    expect_close(ln(seq)->weight.grad(), ln(ref)->weight.grad(), "sequence-parallel norm weight gradient");
+    expect_close(ln(seq)->bias.grad(), ln(ref)->bias.grad(), "sequence-parallel norm bias gradient");
+    expect_close(lin(seq, 1)->weight.grad(), rows(lin(ref, 1)->weight.grad(), comm), "sequence-parallel column gradient");
+    expect_close(lin(seq, 3)->weight.grad(), cols(lin(ref, 3)->weight.grad(), comm), "sequence-parallel row gradient");
+    expect_close(lin(seq, 3)->bias.grad(), lin(ref, 3)->bias.grad(), "sequence-parallel row bias gradient");
+    STRATA_CHECK(tensor_copies_of(ln(seq)->weight) == comm.world_size(),
+                 "a sequence-shard norm's weight is not recorded as held whole by every rank");
+  }
+  {
     // Fused blocks (a QKV projection): each rank's output is its slice of each block, in block order.
     torch::manual_seed(comm.rank() + 8);
     torch::nn::Sequential ref(torch::nn::Linear(8, 12)), seq(torch::nn::Linear(8, 12));

@@ -39,6 +39,7 @@ struct ParallelStyle {
     kRowwise,         // Linear: input features split, output all-reduced; the bias stays whole
     kVocabEmbedding,  // Embedding: vocabulary rows split, lookups all-reduced
     kReplicated,      // every rank holds all of it (the default for what the plan does not name)
+    kSequenceShard,   // whole on every rank, used on sequence shards: LayerNorm, or an Embedding of positions
   };
   Kind kind = Kind::kReplicated;
   /// Columnwise: the weight stacks `fused` equal blocks along its output
@@ -50,6 +51,14 @@ struct ParallelStyle {
   /// every rank). Vocab embedding: the same for a linear that uses its weight
   /// as the output projection (tied embeddings), so the logits are whole.
   bool gather_output = false;
+  /// Megatron's sequence parallelism (Note [Megatron's sequence parallelism]
+  /// in tensor_parallel.h): activations between a row-wise layer and the next
+  /// column-wise one hold 1/P of dimension `sequence_dim` on each rank.
+  /// Columnwise: the input is such a shard, all-gathered along it. Rowwise:
+  /// the output is reduce-scattered along it. Vocab embedding: lookups are
+  /// reduce-scattered along it, and a tied output projection gathers its input.
+  bool sequence_parallel = false;
+  int64_t sequence_dim = 1;
 
   static ParallelStyle columnwise(int fused = 1, bool gather_output = false) {
     return {Kind::kColumnwise, fused, gather_output};
@@ -59,6 +68,22 @@ struct ParallelStyle {
     return {Kind::kVocabEmbedding, 1, gather_tied_logits};
   }
   static ParallelStyle replicated() { return {Kind::kReplicated, 1, false}; }
+  /// A LayerNorm on sequence shards (its gradients summed over the group), or
+  /// an Embedding of positions whose lookups each rank keeps 1/P of along `dim`
+  /// of the output (the position rows of its shard).
+  static ParallelStyle sequence_shard(int64_t dim = 0) {
+    ParallelStyle s{Kind::kSequenceShard, 1, false};
+    s.sequence_parallel = true;
+    s.sequence_dim = dim;
+    return s;
+  }
+  /// This style with its activations sharded along `dim` (columnwise, rowwise, vocab_embedding).
+  ParallelStyle along_sequence(int64_t dim = 1) const {
+    ParallelStyle s = *this;
+    s.sequence_parallel = true;
+    s.sequence_dim = dim;
+    return s;
+  }
 };
 
 /// (submodule name pattern, style), in order. A pattern matches a name of

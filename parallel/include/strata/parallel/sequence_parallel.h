@@ -18,6 +18,8 @@
 
 #include <torch/torch.h>
 
+#include <string>
+
 #include "strata/parallel/communicator.h"
 
 namespace strata::parallel {
@@ -59,5 +61,47 @@ torch::Tensor ring_self_attention(const torch::Tensor& q, const torch::Tensor& k
 /// of s x s scores at a time: activations O(S/N) per rank. Computes in fp32.
 torch::Tensor ring_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                              Communicator& group, bool causal, SequenceLayout layout = SequenceLayout::kContiguous);
+
+namespace sequence {
+
+/// Which sequence-parallel attention an Attention module runs.
+enum class Mode { kRingAttention, kUlysses, kRingSelfAttention };
+/// "ring-attention", "ulysses" or "ring-self-attention"; anything else is an error naming them.
+Mode parse_mode(const std::string& name);
+const char* mode_name(Mode mode);
+
+struct AttentionOptions {
+  Mode mode = Mode::kRingAttention;
+  bool causal = true;
+  /// Ring attention's layout (zigzag balances causal work); Ulysses and ring
+  /// self-attention take the contiguous one.
+  SequenceLayout layout = SequenceLayout::kZigzag;
+};
+
+/// Scaled dot-product attention over a sequence split across `group`, the
+/// mode chosen by option: q, k, v [batch, heads, local positions, head_dim]
+/// hold this rank's positions (shard()); the result is this rank's rows of
+/// attention over the whole sequence, forward and backward equal to one
+/// process's. A drop-in for the attention of a model whose inputs are
+/// sharded with shard() and whose position embedding takes positions().
+struct AttentionImpl : torch::nn::Module {
+  /// The group must outlive the module. Ulysses needs the heads divisible by
+  /// the group's size (checked at forward, before any collective).
+  explicit AttentionImpl(Communicator& group, AttentionOptions options = {});
+  torch::Tensor forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v);
+  /// This rank's positions of whole tensors along `dim`, in the mode's layout
+  /// (split_sequence, or split_sequence_zigzag for zigzag ring attention).
+  torch::Tensor shard(const torch::Tensor& x, int64_t dim) const;
+  /// The global positions (int64) of this rank's `local` positions, for a position embedding.
+  torch::Tensor positions(int64_t local) const;
+  /// The layout the mode takes its inputs in.
+  SequenceLayout layout() const;
+
+  Communicator* group;
+  AttentionOptions options;
+};
+TORCH_MODULE(Attention);
+
+}  // namespace sequence
 
 }  // namespace strata::parallel

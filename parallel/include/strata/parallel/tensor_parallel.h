@@ -36,6 +36,19 @@ torch::Tensor scatter_to_group(const torch::Tensor& x, Communicator& group);
 /// All-gather along the last dimension forward; this rank's slice backward.
 torch::Tensor gather_from_group(const torch::Tensor& x, Communicator& group);
 
+/// Note [Megatron's sequence parallelism]: between a row-parallel layer and
+/// the next column-parallel one (norms, dropout, residuals) every rank of the
+/// tensor group would compute the same whole activation; instead each keeps
+/// 1/P of the sequence. The row layer's all-reduce becomes a reduce-scatter
+/// along the sequence, the column layer's input is all-gathered along it
+/// (its backward reduce-scatters, replacing f's all-reduce), and parameters
+/// used on the shards (norms, the row layer's bias) get their gradients
+/// summed over the group. Same bytes as 1D, 1/P of those activations.
+/// All-gather along `dim` forward; reduce-scatter backward.
+torch::Tensor gather_sequence(const torch::Tensor& x, Communicator& group, int64_t dim);
+/// Reduce-scatter along `dim` (the sum over the group, this rank's slice) forward; all-gather backward.
+torch::Tensor reduce_scatter_sequence(const torch::Tensor& x, Communicator& group, int64_t dim);
+
 /// The tensor group parameter `param` is split over (its rank's slice), or
 /// null for a parameter no parallel layer split (replicated over the group).
 /// The engine uses it for gradient-norm clipping (Note [Clipping across the
