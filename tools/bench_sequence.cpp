@@ -42,15 +42,8 @@ struct SequenceBenchOptions {
   bool json = false;
 };
 
-enum class Mode { kUlysses, kRingSelfAttention, kRingAttention };
-const char* mode_name(Mode m) {
-  switch (m) {
-    case Mode::kUlysses: return "ulysses";
-    case Mode::kRingSelfAttention: return "ring-self-attention";
-    case Mode::kRingAttention: return "ring-attention";
-  }
-  return "?";
-}
+using parallel::sequence::Mode;
+using parallel::sequence::mode_name;
 
 struct Measured {
   uint64_t peak = 0;  // activation bytes above the level before
@@ -70,15 +63,9 @@ Measured measure(Mode mode, CountingCommunicator& group, int64_t context, const 
     const uint64_t before = counter.current();
     counter.reset_peak();
     group.take();
-    torch::Tensor out;
-    switch (mode) {
-      case Mode::kUlysses: out = parallel::ulysses_attention(q, k, v, group, true); break;
-      case Mode::kRingSelfAttention: out = parallel::ring_self_attention(q, k, v, group, true); break;
-      case Mode::kRingAttention:
-        out = parallel::ring_attention(q, k, v, group, true, parallel::SequenceLayout::kZigzag);
-        break;
-    }
-    out.sum().backward();
+    parallel::sequence::AttentionOptions options;  // causal; ring attention in the zigzag layout
+    options.mode = mode;
+    parallel::sequence::Attention(group, options)->forward(q, k, v).sum().backward();
     m.peak = counter.peak() - std::min(counter.peak(), before);
     m.sent = group.take();
   }

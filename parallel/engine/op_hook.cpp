@@ -1,6 +1,5 @@
 #include "strata/parallel/op_hook.h"
 
-#include <torch/library.h>
 
 #include <algorithm>
 #include <atomic>
@@ -98,18 +97,11 @@ void hook_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   hook->observer().after_op(call);
 }
 
-void register_fallback_once() {
-  static std::once_flag once;
-  std::call_once(once, [] {
-    // Never destroyed: the registration must outlive every static destructor that may run ops.
-    auto* lib = new torch::Library(torch::Library::IMPL, "_", kHookKey, __FILE__, __LINE__);
-    lib->fallback(torch::CppFunction::makeFromBoxedFunction<&hook_fallback>());
-  });
-}
-
 }  // namespace
 
-OpHook::OpHook(OpObserver& observer) : observer_(observer) { register_fallback_once(); }
+OpHook::OpHook(OpObserver& observer) : observer_(observer) {
+  dispatch_keys::register_fallback_once<&hook_fallback>(kHookKey);
+}
 
 OpHook::~OpHook() {
   OpHook* self = this;

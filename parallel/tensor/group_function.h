@@ -47,13 +47,13 @@ inline torch::Tensor all_gather_stacked(const torch::Tensor& x, Communicator& gr
   all_gather(group, h, out)->wait();
   return out.to(x.device(), x.scalar_type());
 }
-inline torch::Tensor all_gather_last(const torch::Tensor& x, Communicator& group) {
+/// All-gather along dimension Dim (-1: the last): every rank's x, in rank order.
+template <int Dim>
+torch::Tensor all_gather_dim(const torch::Tensor& x, Communicator& group) {
   if (group.world_size() == 1) return x;
-  return torch::cat(all_gather_stacked(x, group).unbind(0), -1);
-}
-inline torch::Tensor all_gather_first(const torch::Tensor& x, Communicator& group) {
-  if (group.world_size() == 1) return x;
-  return all_gather_stacked(x, group).flatten(0, 1);
+  const torch::Tensor stacked = all_gather_stacked(x, group);
+  if constexpr (Dim == 0) return stacked.flatten(0, 1);  // already in place: no copy
+  return torch::cat(stacked.unbind(0), Dim);
 }
 
 /// `stacked` [world_size, ...]: this rank's block of the sum over ranks.
@@ -63,37 +63,37 @@ inline torch::Tensor reduce_scatter_stacked(const torch::Tensor& stacked, Commun
   reduce_scatter(group, h, out)->wait();
   return out.to(stacked.device(), stacked.scalar_type());
 }
-/// The sum over ranks of x, this rank's slice of its last dimension.
-inline torch::Tensor reduce_scatter_last(const torch::Tensor& x, Communicator& group) {
-  if (group.world_size() == 1) return x;
-  return reduce_scatter_stacked(torch::stack(x.chunk(group.world_size(), -1), 0), group);
-}
-/// The sum over ranks of x, this rank's slice of its first dimension.
-inline torch::Tensor reduce_scatter_first(const torch::Tensor& x, Communicator& group) {
-  if (group.world_size() == 1) return x;
-  std::vector<int64_t> shape{group.world_size(), x.size(0) / group.world_size()};
-  for (int64_t i = 1; i < x.dim(); ++i) shape.push_back(x.size(i));
-  return reduce_scatter_stacked(x.reshape(shape), group);
-}
-
-/// All-gather along dimension Dim (Megatron's sequence parallelism).
-template <int Dim>
-torch::Tensor all_gather_dim(const torch::Tensor& x, Communicator& group) {
-  if (group.world_size() == 1) return x;
-  return torch::cat(all_gather_stacked(x, group).unbind(0), Dim);
-}
-/// The sum over ranks of x, this rank's slice of dimension Dim.
+/// The sum over ranks of x, this rank's slice of dimension Dim (-1: the last);
+/// a clear error when the group does not divide it.
 template <int Dim>
 torch::Tensor reduce_scatter_dim(const torch::Tensor& x, Communicator& group) {
   if (group.world_size() == 1) return x;
-  slice_of(x.size(Dim), group, "the sequence dimension");  // a clear error when the group does not divide it
-  return reduce_scatter_stacked(torch::stack(x.chunk(group.world_size(), Dim), 0), group);
+  const int64_t p = group.world_size();
+  slice_of(x.size(Dim), group, "the dimension reduce-scattered");
+  if constexpr (Dim == 0) {  // the blocks are already contiguous: a view
+    std::vector<int64_t> shape{p, x.size(0) / p};
+    for (int64_t i = 1; i < x.dim(); ++i) shape.push_back(x.size(i));
+    return reduce_scatter_stacked(x.reshape(shape), group);
+  }
+  return reduce_scatter_stacked(torch::stack(x.chunk(p, Dim), 0), group);
 }
 
 inline torch::Tensor own_slice_last(const torch::Tensor& x, Communicator& group) {
   if (group.world_size() == 1) return x;
   const auto [begin, end] = slice_of(x.size(-1), group, "the last dimension");
   return x.narrow(-1, begin, end - begin).contiguous();
+}
+
+/// Rows of `ids` looked up in a vocabulary block, `weight` holding rows
+/// [begin, begin + weight.size(0)): the ids outside it give zero rows (the
+/// other blocks' ranks supply them). `padding_idx` is a whole-vocabulary id or -1.
+inline torch::Tensor vocab_block_rows(const torch::Tensor& weight, const torch::Tensor& ids, int64_t begin,
+                                      int64_t padding_idx = -1) {
+  const int64_t end = begin + weight.size(0);
+  const torch::Tensor outside = (ids < begin) | (ids >= end);
+  const torch::Tensor local = (ids - begin).masked_fill(outside, 0);
+  const int64_t local_padding = padding_idx >= begin && padding_idx < end ? padding_idx - begin : -1;
+  return torch::embedding(weight, local, local_padding).masked_fill(outside.unsqueeze(-1), 0.0);
 }
 
 using Collective = torch::Tensor (*)(const torch::Tensor&, Communicator&);
@@ -111,5 +111,15 @@ struct GroupFunction : torch::autograd::Function<GroupFunction<Forward, Backward
     return {torch::Tensor(), Backward(grads[0], from_context(ctx))};
   }
 };
+
+/// A sum every rank uses differently: all-reduced forward and backward.
+using AllReduceBoth = GroupFunction<all_reduce_sum, all_reduce_sum>;
+/// Gathered along Dim for several ranks' uses (a sequence, a weight): the
+/// gradient's blocks summed back to their owners.
+template <int Dim>
+using GatherSummed = GroupFunction<all_gather_dim<Dim>, reduce_scatter_dim<Dim>>;
+/// Partial sums reduce-scattered along Dim; backward all-gathers.
+template <int Dim>
+using ReduceScatterGathered = GroupFunction<reduce_scatter_dim<Dim>, all_gather_dim<Dim>>;
 
 }  // namespace strata::parallel::group_ops

@@ -24,7 +24,6 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-using group_ops::all_gather_last;
 using group_ops::all_reduce_over;
 using group_ops::all_reduce_sum;
 using group_ops::GroupFunction;
@@ -34,8 +33,8 @@ using group_ops::own_slice_last;
 // Note [Megatron's f and g]: each is the other's transpose.
 using CopyToGroup = GroupFunction<identity, all_reduce_sum>;          // f
 using ReduceFromGroup = GroupFunction<all_reduce_sum, identity>;      // g
-using ScatterToGroup = GroupFunction<own_slice_last, all_gather_last>;
-using GatherFromGroup = GroupFunction<all_gather_last, own_slice_last>;
+using ScatterToGroup = GroupFunction<own_slice_last, group_ops::all_gather_dim<-1>>;
+using GatherFromGroup = GroupFunction<group_ops::all_gather_dim<-1>, own_slice_last>;
 
 // Note [Cross-entropy over a split vocabulary]: loss_i = log sum_v exp(z_iv)
 // - z_i,t_i. Each rank holds columns [b, e) of z. The max (for stability), the
@@ -76,9 +75,9 @@ torch::Tensor copy_to_group(const torch::Tensor& x, Communicator& group) { retur
 namespace {
 // Note [Megatron's sequence parallelism]: all-gather along the sequence forward, reduce-scatter backward; and the transpose.
 template <int Dim>
-using GatherSequence = GroupFunction<group_ops::all_gather_dim<Dim>, group_ops::reduce_scatter_dim<Dim>>;
+using GatherSequence = group_ops::GatherSummed<Dim>;
 template <int Dim>
-using ReduceScatterSequence = GroupFunction<group_ops::reduce_scatter_dim<Dim>, group_ops::all_gather_dim<Dim>>;
+using ReduceScatterSequence = group_ops::ReduceScatterGathered<Dim>;
 
 int64_t sequence_dim(const torch::Tensor& x, int64_t dim) {
   const int64_t d = dim < 0 ? dim + x.dim() : dim;
@@ -122,13 +121,9 @@ std::pair<int64_t, int64_t> slice_of(int64_t n, Communicator& group, const char*
 }
 
 torch::Tensor vocab_parallel_embedding(const torch::Tensor& weight, const torch::Tensor& ids, int64_t vocab_begin,
-                                       Communicator& group, int64_t padding_idx) {
-  const int64_t vocab_end = vocab_begin + weight.size(0);
-  const torch::Tensor outside = (ids < vocab_begin) | (ids >= vocab_end);
-  const torch::Tensor local = (ids - vocab_begin).masked_fill(outside, 0);
-  const int64_t local_padding = padding_idx >= vocab_begin && padding_idx < vocab_end ? padding_idx - vocab_begin : -1;
-  const torch::Tensor rows = torch::embedding(weight, local, local_padding).masked_fill(outside.unsqueeze(-1), 0.0);
-  return reduce_from_group(rows, group);
+                                       Communicator& group, int64_t padding_idx, int64_t sequence_dim) {
+  const torch::Tensor rows = group_ops::vocab_block_rows(weight, ids, vocab_begin, padding_idx);
+  return sequence_dim < 0 ? reduce_from_group(rows, group) : reduce_scatter_sequence(rows, group, sequence_dim);
 }
 
 torch::Tensor vocab_parallel_cross_entropy(const torch::Tensor& logits, const torch::Tensor& target,

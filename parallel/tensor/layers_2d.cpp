@@ -34,12 +34,8 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 using namespace group_ops;
 
-// A sum every rank uses differently: all-reduced forward and backward.
-using AllReduceBoth = GroupFunction<all_reduce_sum, all_reduce_sum>;
-// A gathered weight each rank uses on its own batch: the gradient's slices summed back.
-using GatherLastSummed = GroupFunction<all_gather_last, reduce_scatter_last>;
-// Partial results of every batch block summed to their owners; backward all-gathers.
-using ReduceScatterFirst = GroupFunction<reduce_scatter_first, all_gather_first>;
+using GatherLastSummed = GatherSummed<-1>;
+using ReduceScatterFirst = ReduceScatterGathered<0>;
 
 TensorGrid& grid_of(AutogradContext* ctx) {
   return *reinterpret_cast<TensorGrid*>(static_cast<intptr_t>(ctx->saved_data["grid"].toInt()));
@@ -53,8 +49,8 @@ void summa_steps(TensorGrid& g, const torch::Tensor& x, const torch::Tensor& w, 
   WorkHandle hx[2], hw[2];
   const auto post = [&](int k) {
     const int s = k % 2;
-    xb[s] = g.col() == k ? xh.clone() : torch::empty_like(xh);
-    wb[s] = g.row() == k ? wh.clone() : torch::empty_like(wh);
+    xb[s] = g.col() == k ? xh : torch::empty_like(xh);  // the root's buffer is only read
+    wb[s] = g.row() == k ? wh : torch::empty_like(wh);
     hx[s] = broadcast(g.rows(), xb[s], k);
     hw[s] = broadcast(g.cols(), wb[s], k);
   };
@@ -222,11 +218,8 @@ torch::Tensor VocabEmbedding2DImpl::forward(const torch::Tensor& ids) {
   // Every batch block of the column, looked up in this rank's vocabulary block.
   // Ids travel bit for bit, as pairs of fp32 words (Gloo moves floats).
   const torch::Tensor words = ids.to(torch::kLong).contiguous().view(torch::kFloat32);
-  const torch::Tensor all = all_gather_first(words, grid->cols()).contiguous().view(torch::kLong);
-  const torch::Tensor w = shared_over(weight, grid->depths());
-  const torch::Tensor outside = (all < vocab_begin) | (all >= vocab_begin + w.size(0));
-  const torch::Tensor local = (all - vocab_begin).masked_fill(outside, 0);
-  const torch::Tensor rows = torch::embedding(w, local).masked_fill(outside.unsqueeze(-1), 0.0);
+  const torch::Tensor all = all_gather_dim<0>(words, grid->cols()).contiguous().view(torch::kLong);
+  const torch::Tensor rows = vocab_block_rows(shared_over(weight, grid->depths()), all, vocab_begin);
   return ReduceScatterFirst::apply(&grid->cols(), rows);
 }
 

@@ -32,11 +32,9 @@ namespace {
 
 using namespace group_ops;
 
-using AllReduceBoth = GroupFunction<all_reduce_sum, all_reduce_sum>;
-// Gathered along the first dimension for several ranks' uses: gradients summed back.
-using GatherFirstSummed = GroupFunction<all_gather_first, reduce_scatter_first>;
-using GatherLastSummed = GroupFunction<all_gather_last, reduce_scatter_last>;
-using ReduceScatterFirst = GroupFunction<reduce_scatter_first, all_gather_first>;
+using GatherFirstSummed = GatherSummed<0>;
+using GatherLastSummed = GatherSummed<-1>;
+using ReduceScatterFirst = ReduceScatterGathered<0>;
 
 int64_t block(int64_t n, int parts, const std::string& what) {
   STRATA_CHECK(n % parts == 0, "3D tensor parallelism splits ", what, " (", n, ") into ", parts,

@@ -94,14 +94,7 @@ struct VocabEmbedding final : Placement {
   }
   c10::optional<torch::Tensor> embedding(const torch::Tensor& weight, const torch::Tensor& ids, int64_t padding_idx,
                                          bool, bool) const override {
-    if (sequence_dim < 0) return vocab_parallel_embedding(weight, ids, begin, *group, padding_idx);
-    // As vocab_parallel_embedding, with the sum reduce-scattered along the sequence.
-    const int64_t end = begin + weight.size(0);
-    const torch::Tensor outside = (ids < begin) | (ids >= end);
-    const torch::Tensor local = (ids - begin).masked_fill(outside, 0);
-    const int64_t local_padding = padding_idx >= begin && padding_idx < end ? padding_idx - begin : -1;
-    const torch::Tensor rows = torch::embedding(weight, local, local_padding).masked_fill(outside.unsqueeze(-1), 0.0);
-    return reduce_scatter_sequence(rows, *group, sequence_dim);
+    return vocab_parallel_embedding(weight, ids, begin, *group, padding_idx, sequence_dim);
   }
 };
 

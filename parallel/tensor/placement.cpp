@@ -7,7 +7,6 @@
 #include "placement.h"
 
 #include <ATen/ATen.h>
-#include <torch/library.h>
 
 #include <mutex>
 #include <unordered_map>
@@ -155,18 +154,10 @@ void layout_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   if (!run_placed(op, stack)) op.callBoxed(stack);
 }
 
-void register_fallback_once() {
-  static std::once_flag once;
-  std::call_once(once, [] {
-    auto* lib = new torch::Library(torch::Library::IMPL, "_", kLayoutKey, __FILE__, __LINE__);
-    lib->fallback(torch::CppFunction::makeFromBoxedFunction<&layout_fallback>());
-  });
-}
-
 }  // namespace
 
 void place(const at::Tensor& param, Communicator& group, int copies, std::shared_ptr<const Placement> placement) {
-  if (placement != nullptr) register_fallback_once();
+  if (placement != nullptr) dispatch_keys::register_fallback_once<&layout_fallback>(kLayoutKey);
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mu);
   forget_expired_locked();

@@ -275,10 +275,8 @@ int main(int argc, char** argv) {
     else STRATA_FAIL("unknown option ", a);
   }
   try {
-    const char* t = std::getenv("STRATA_COMM_TIMEOUT");
-    CommunicatorOptions co;
-    if (t != nullptr) co.timeout = std::chrono::seconds(std::atoi(t));
-    std::shared_ptr<Communicator> world = make_gloo_communicator(Rendezvous::from_env(), co);
+    // make_gloo_communicator takes the timeout from STRATA_COMM_TIMEOUT.
+    std::shared_ptr<Communicator> world = make_gloo_communicator(Rendezvous::from_env());
     STRATA_CHECK(world->world_size() % opt.dp == 0, "world ", world->world_size(), " is not a multiple of dp ", opt.dp);
     const int pipe_ranks = world->world_size() / opt.dp;
     DeviceMesh mesh = DeviceMesh::create(*world, {opt.dp, pipe_ranks, 1, 1});

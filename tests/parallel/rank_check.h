@@ -5,6 +5,9 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <thread>
 #include <cmath>
 #include <functional>
 #include <string>
@@ -54,6 +57,13 @@ inline torch::Tensor block(const torch::Tensor& t, int n0, int b0, int n1, int b
 }
 inline torch::Tensor vec_block(const torch::Tensor& t, int n, int b) {
   return t.narrow(0, t.size(0) / n * b, t.size(0) / n);
+}
+
+/// Stops answering, as a dead or hung rank would, until the launcher stops
+/// this process (after the rank under test failed); exits 3 if it never does.
+[[noreturn]] inline void hang_until_stopped() {
+  std::this_thread::sleep_for(std::chrono::seconds(60));
+  std::_Exit(3);
 }
 
 /// What `f` threw (a strata::Error), or "no error".

@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <string>
 #include <thread>
 #include <limits>
@@ -21,25 +22,15 @@
 #include "strata/parallel/communicator.h"
 #include "strata/parallel/sequence_parallel.h"
 #include "strata/parallel/tensor_collectives.h"
+#include "rank_check.h"
 
 using namespace strata::parallel;
 
 namespace {
 
-double worst = 0;
-
-void expect_close(const torch::Tensor& got, const torch::Tensor& want, const std::string& what) {
-  STRATA_CHECK(got.sizes() == want.sizes(), what, ": shape ", got.sizes(), " vs ", want.sizes());
-  const double diff = (got - want).abs().max().item<double>() / std::max(want.abs().max().item<double>(), 1e-6);
-  worst = std::max(worst, diff);
-  STRATA_CHECK(diff < 1e-5, what, " differs from single-process attention by ", diff);
-}
-
-torch::Tensor shared(Communicator& comm, torch::Tensor t) {
-  t = t.contiguous();
-  broadcast(comm, t, 0)->wait();
-  return t;
-}
+using rank_check::expect_close;
+using rank_check::shared;
+using rank_check::worst;
 
 torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, bool causal) {
   torch::Tensor s = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(q.size(3)));
@@ -47,14 +38,8 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
   return torch::matmul(torch::softmax(s, -1), v);
 }
 
-template <typename Fn>
-void expect_refused(Fn fn, const std::string& words) {
-  std::string got = "no error";
-  try {
-    fn();
-  } catch (const strata::Error& e) {
-    got = e.what();
-  }
+void expect_refused(const std::function<void()>& fn, const std::string& words) {
+  const std::string got = rank_check::error_of(fn);
   STRATA_CHECK(got.find(words) != std::string::npos, "expected an error saying \"", words, "\", got: ", got);
 }
 
@@ -118,9 +103,8 @@ int main(int argc, char** argv) {
   // caught by the launcher, which stops the others at once.)
   const bool stuck = argc > 1 && std::string(argv[1]) == "--stuck";
   try {
-    CommunicatorOptions co;
-    if (const char* t = std::getenv("STRATA_COMM_TIMEOUT")) co.timeout = std::chrono::seconds(std::atoi(t));
-    std::shared_ptr<Communicator> comm = make_gloo_communicator(Rendezvous::from_env(), co);
+    // make_gloo_communicator takes the timeout from STRATA_COMM_TIMEOUT.
+    std::shared_ptr<Communicator> comm = make_gloo_communicator(Rendezvous::from_env());
     const int64_t n = comm->world_size();
     // Sizes the group does not divide: refused before any collective.
     expect_refused([&] { split_sequence(torch::zeros({2, 4 * n + 1}), 1, *comm); }, "does not split evenly");
@@ -129,16 +113,15 @@ int main(int argc, char** argv) {
     check(*comm, false, &ulysses_attention, 4, "Ulysses");
     check(*comm, true, &ulysses_attention, 4, "Ulysses");
     std::printf("rank %d: Ulysses sequence parallel (%d ranks) matches single-process attention (worst relative "
-                "difference %.2e)\n", comm->rank(), comm->world_size(), worst);
-    worst = 0;
+                "difference %.2e)\n", comm->rank(), comm->world_size(), worst());
+    worst() = 0;
     check(*comm, false, &ring_self_attention, 3, "ring self-attention");  // any head count
     check(*comm, true, &ring_self_attention, 3, "ring self-attention");
     std::printf("rank %d: ring self-attention (%d ranks) matches single-process attention (worst relative "
-                "difference %.2e)\n", comm->rank(), comm->world_size(), worst);
-    worst = 0;
+                "difference %.2e)\n", comm->rank(), comm->world_size(), worst());
+    worst() = 0;
     if (stuck && comm->rank() == 1) {
-      std::this_thread::sleep_for(std::chrono::seconds(60));  // the launcher stops it when rank 0 fails
-      std::_Exit(3);
+      rank_check::hang_until_stopped();
     }
     expect_refused([&] { split_sequence_zigzag(torch::zeros({2, 2 * n + 2}), 1, *comm); }, "zigzag layout");
     for (bool causal : {false, true}) {
@@ -146,7 +129,7 @@ int main(int argc, char** argv) {
       check(*comm, causal, &ring_zigzag, 3, "ring attention (zigzag)", &split_sequence_zigzag);
     }
     std::printf("rank %d: ring attention (%d ranks, contiguous and zigzag) matches single-process attention (worst "
-                "relative difference %.2e)\n", comm->rank(), comm->world_size(), worst);
+                "relative difference %.2e)\n", comm->rank(), comm->world_size(), worst());
   } catch (const std::exception& e) {
     std::fprintf(stderr, "sp_check: %s\n", e.what());
     return 1;

@@ -173,9 +173,8 @@ int main(int argc, char** argv) {
   // communicator's timeout (STRATA_COMM_TIMEOUT), not hang.
   const bool stuck = argc > 1 && std::string(argv[1]) == "--stuck";
   try {
-    CommunicatorOptions co;
-    if (const char* t = std::getenv("STRATA_COMM_TIMEOUT")) co.timeout = std::chrono::seconds(std::atoi(t));
-    std::shared_ptr<Communicator> world = make_gloo_communicator(Rendezvous::from_env(), co);
+    // make_gloo_communicator takes the timeout from STRATA_COMM_TIMEOUT.
+    std::shared_ptr<Communicator> world = make_gloo_communicator(Rendezvous::from_env());
     const int depth = world->world_size() == 8 ? 2 : 1;
     // A world the mode does not fit (2D on 8 ranks, 2.5D of depth 2 on 4): refused before any collective.
     const std::string wrong = expect_error([&] { TensorGrid(*world, world->world_size() == 8 ? 1 : 2); });
@@ -183,8 +182,7 @@ int main(int argc, char** argv) {
                  wrong);
     TensorGrid grid(*world, depth);
     if (stuck && world->rank() == 1) {  // in rank 0's row
-      std::this_thread::sleep_for(std::chrono::seconds(60));  // the launcher stops it when rank 0 fails
-      std::_Exit(3);
+      rank_check::hang_until_stopped();
     }
     if (stuck) {
       torch::nn::Linear full(8, 8);
@@ -192,8 +190,7 @@ int main(int argc, char** argv) {
       lin->forward(grid.split(torch::randn({2 * grid.batch_blocks(), 8})));
       // Ranks whose groups miss rank 1 may finish; rank 0's row holds it.
       STRATA_CHECK(world->rank() != 0, "a Linear2D forward finished with a rank of the grid not answering");
-      std::this_thread::sleep_for(std::chrono::seconds(60));  // the launcher stops it when rank 0 fails
-      std::_Exit(3);
+      rank_check::hang_until_stopped();
     }
     layers(*world, grid);
     training(*world, grid, /*budgeted=*/false);

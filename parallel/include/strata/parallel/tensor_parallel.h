@@ -113,8 +113,10 @@ TORCH_MODULE(VocabParallelEmbedding);
 /// slice `weight` holding rows [vocab_begin, vocab_begin + weight.size(0)):
 /// each rank looks up its own ids (zeros for the others) and the rows are
 /// all-reduced. `padding_idx` (a whole-vocabulary id, or -1) gets no gradient.
+/// `sequence_dim` >= 0: reduce-scattered along that dimension instead, each
+/// rank keeping its sequence shard (Note [Megatron's sequence parallelism]).
 torch::Tensor vocab_parallel_embedding(const torch::Tensor& weight, const torch::Tensor& ids, int64_t vocab_begin,
-                                       Communicator& group, int64_t padding_idx = -1);
+                                       Communicator& group, int64_t padding_idx = -1, int64_t sequence_dim = -1);
 
 /// Mean cross-entropy of `logits` [N, V / P] (this rank's vocabulary slice,
 /// columns [V * r / P, V * (r + 1) / P)) against `target` [N] (ids in [0, V)),
