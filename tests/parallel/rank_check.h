@@ -109,15 +109,27 @@ struct BlockStack : torch::nn::Module {
   }
 };
 
+using LossFn = std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&)>;
+
+/// How train_against sizes the device tier from this rank's model state.
+enum class DeviceBudget {
+  kResident,   // everything fits
+  kPages,      // three 4 KiB chunk pages of 256 elements: an operator's parameters fit, the model does not
+  kQuarter,    // a quarter of the model state, in chunks of 64 elements
+};
+
 /// Trains `model` (this rank's parts of `reference`) 10 steps with strata
-/// against `reference` with clip_grad_norm_ and torch::optim::AdamW on
-/// batches of `batch` sequences: gradient norms and losses within 1e-5, every
-/// step clipping. `loss(ids, target)` takes the whole batch and returns this
-/// rank's loss. `budgeted`: a device budget of a quarter of this rank's model
-/// state (it must evict), else everything resident.
-inline void train_against_stack(Communicator& world, BlockStack& reference, torch::nn::Module& model, int64_t batch,
-                                bool budgeted,
-                                const std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&)>& loss) {
+/// against `reference` with clip_grad_norm_ and torch::optim::AdamW:
+/// gradient norms and losses within 1e-5, every step clipping. Each step
+/// draws ids and targets [replicas, batch, 4] of `vocab` (rank 0's on every
+/// rank; replicas = dp's size, 1 without dp): the reference trains on all of
+/// them, `loss(ids, target)` gets this rank's replica's and returns this
+/// rank's loss, the mean of the replicas' losses being the reference's. `dp`
+/// (the data axis, or null) at `zero_stage` for tensor x data parallelism.
+/// Any budget but kResident must evict.
+inline void train_against(Communicator& world, torch::nn::Module& reference, const LossFn& reference_loss,
+                          torch::nn::Module& model, const LossFn& loss, int64_t vocab, int64_t batch,
+                          DeviceBudget budget, std::shared_ptr<Communicator> dp = nullptr, int zero_stage = 0) {
   AdamWConfig cfg;
   cfg.lr = 1e-2f;
   torch::optim::AdamW adamw(reference.parameters(), torch::optim::AdamWOptions(cfg.lr).weight_decay(cfg.weight_decay));
@@ -125,31 +137,42 @@ inline void train_against_stack(Communicator& world, BlockStack& reference, torc
   for (const auto& p : model.parameters()) params += p.numel();
   EngineOptions o;
   const uint64_t state = static_cast<uint64_t>(params) * model_state_bytes_per_param(o.precision);
-  o.budgets = {budgeted ? state / 4 : 2 * state + (1 << 20), state * 4 + (1 << 20), 0};
-  o.chunk_elems = budgeted ? 64 : 0;
+  const uint64_t room = 4 * state + (1 << 20);
+  o.budgets = {budget == DeviceBudget::kResident ? room : (budget == DeviceBudget::kPages ? 3 * 4096 : state / 4),
+               room, 0};
+  o.chunk_elems = budget == DeviceBudget::kResident ? 0 : (budget == DeviceBudget::kPages ? 256 : 64);
+  o.zero_stage = zero_stage;
   o.clip_norm = 0.5;  // every step clips: the norm counts each part once (Note [Clipping across the tensor group])
-  auto engine = attach(model, cfg, o);
+  const int replicas = dp ? dp->world_size() : 1, replica = dp ? dp->rank() : 0;
+  auto engine = attach(model, cfg, o, dp);  // the data axis, never the tensor group
   for (int s = 0; s < 10; ++s) {
-    const torch::Tensor ids = shared_ids(world, kVocab, {batch, 4}), target = shared_ids(world, kVocab, {batch, 4});
+    const torch::Tensor ids = shared_ids(world, vocab, {replicas, batch, 4});
+    const torch::Tensor target = shared_ids(world, vocab, {replicas, batch, 4});
     adamw.zero_grad();
-    torch::Tensor ref = reference.loss(ids, target);
+    torch::Tensor ref = reference_loss(ids.flatten(0, 1), target.flatten(0, 1));
     ref.backward();
     const double ref_norm = torch::nn::utils::clip_grad_norm_(reference.parameters(), o.clip_norm);
     STRATA_CHECK(ref_norm > o.clip_norm, "the reference's gradient norm ", ref_norm, " did not need clipping");
     adamw.step();
-    const StepResult r = engine->train_step([&] { return loss(ids, target); });
+    const StepResult r = engine->train_step([&] { return loss(ids[replica], target[replica]); });
     const double norm_diff = std::abs(r.grad_norm - ref_norm) / ref_norm;
     worst() = std::max(worst(), norm_diff);
     STRATA_CHECK(norm_diff < 1e-5, "rank ", world.rank(), ": step ", s, " gradient norm ", r.grad_norm,
                  " vs single process ", ref_norm);
-    const double diff = std::abs(r.loss - ref.item<double>()) / std::abs(ref.item<double>());
+    double mean = r.loss;
+    if (dp) {
+      mean = 0;
+      for (double l : all_gather_values(*dp, {r.loss})) mean += l / replicas;
+    }
+    const double diff = std::abs(mean - ref.item<double>()) / std::abs(ref.item<double>());
     worst() = std::max(worst(), diff);
-    STRATA_CHECK(diff < 1e-5, "rank ", world.rank(), ": step ", s, " loss ", r.loss, " vs single process ",
+    STRATA_CHECK(diff < 1e-5, "rank ", world.rank(), ": step ", s, " loss ", mean, " vs single process ",
                  ref.item<double>());
   }
   const auto dev = engine->tier_stats(strata::memory::Tier::kDevice);
   STRATA_CHECK(dev.peak <= dev.budget, "the device tier held ", dev.peak, " of its budget ", dev.budget);
-  STRATA_CHECK(!budgeted || dev.evictions > 0, "a device budget of a quarter of the model state evicted nothing");
+  STRATA_CHECK(budget == DeviceBudget::kResident || dev.evictions > 0, "a device budget of ", dev.budget,
+               " bytes evicted nothing: it must have been too small for the model");
 }
 
 }  // namespace strata::parallel::rank_check

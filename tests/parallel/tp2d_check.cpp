@@ -35,7 +35,9 @@ namespace {
 
 using rank_check::block;
 using rank_check::BlockStack;
-using rank_check::train_against_stack;
+using rank_check::DeviceBudget;
+using rank_check::kVocab;
+using rank_check::train_against;
 using rank_check::expect_close;
 using rank_check::share_module;
 using rank_check::shared;
@@ -151,10 +153,9 @@ void training(Communicator& world, TensorGrid& g, bool budgeted) {
   torch::manual_seed(world.rank() + 7);
   BlockStack reference(world);
   Tp2d model(reference, g);
-  train_against_stack(world, reference, model, 2 * g.batch_blocks(), budgeted,
-                      [&](const torch::Tensor& ids, const torch::Tensor& target) {
-                        return model.loss(g.split_batch(ids), g.split_batch(target));
-                      });
+  train_against(world, reference, [&](const torch::Tensor& i, const torch::Tensor& t) { return reference.loss(i, t); },
+                model, [&](const torch::Tensor& i, const torch::Tensor& t) { return model.loss(g.split_batch(i), g.split_batch(t)); }, kVocab, 2 * g.batch_blocks(),
+                budgeted ? DeviceBudget::kQuarter : DeviceBudget::kResident);
   const int q = g.q();
   expect_close(model.emb->weight, block(reference.emb->weight, q, g.row(), q, g.col()), "trained embedding block");
   for (size_t b = 0; b < reference.ups.size(); ++b) {

@@ -132,8 +132,9 @@ void training(Communicator& world, CubeGrid& g, bool budgeted) {
   torch::manual_seed(world.rank() + 7);
   BlockStack reference(world);
   Tp3d model(reference, g);
-  train_against_stack(world, reference, model, 2 * g.d() * g.d(), budgeted,
-                      [&](const torch::Tensor& ids, const torch::Tensor& target) { return model.loss(ids, target); });
+  train_against(world, reference, [&](const torch::Tensor& i, const torch::Tensor& t) { return reference.loss(i, t); },
+                model, [&](const torch::Tensor& i, const torch::Tensor& t) { return model.loss(i, t); }, kVocab, 2 * g.d() * g.d(),
+                budgeted ? DeviceBudget::kQuarter : DeviceBudget::kResident);
   const int d = g.d();
   for (size_t b = 0; b < reference.ups.size(); ++b) {
     expect_close(model.ups[b]->weight, weight_part(reference.ups[b]->weight, g, Side3D::kA), "trained up part");

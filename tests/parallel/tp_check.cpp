@@ -30,7 +30,10 @@ using namespace strata::parallel;
 
 namespace {
 
+using rank_check::DeviceBudget;
 using rank_check::expect_close;
+using rank_check::LossFn;
+using rank_check::train_against;
 using rank_check::share_module;
 using rank_check::shared;
 using rank_check::worst;
@@ -44,12 +47,6 @@ int64_t count(torch::nn::Module& m) {
   int64_t n = 0;
   for (const auto& p : m.parameters()) n += p.numel();
   return n;
-}
-
-double all_gather_mean(Communicator& comm, double v) {
-  double sum = 0;
-  for (double x : all_gather_values(comm, {v})) sum += x;
-  return sum / comm.world_size();
 }
 
 torch::Tensor rows(const torch::Tensor& t, Communicator& comm) {
@@ -142,10 +139,10 @@ struct Full : torch::nn::Module {
     down = register_module("down", torch::nn::Linear(64, 16));
     head = register_module("head", torch::nn::Linear(torch::nn::LinearOptions(16, 32).bias(false)));
   }
-  torch::Tensor loss(const torch::Tensor& ids, const torch::Tensor& target) {
-    torch::Tensor x = emb->forward(ids);
+  torch::Tensor loss(const torch::Tensor& ids, const torch::Tensor& target) {  // token ids of any shape
+    torch::Tensor x = emb->forward(ids.reshape(-1));
     x = x + down->forward(torch::gelu(up->forward(x)));
-    return torch::nn::functional::cross_entropy(head->forward(x), target);
+    return torch::nn::functional::cross_entropy(head->forward(x), target.reshape(-1));
   }
 };
 
@@ -160,68 +157,16 @@ struct Tp : torch::nn::Module {
     down = register_module("down", RowParallelLinear(f.down, c));
     head = register_module("head", ColumnParallelLinear(f.head, c));
   }
-  torch::Tensor loss(const torch::Tensor& ids, const torch::Tensor& target) {
-    torch::Tensor x = emb->forward(ids);
+  torch::Tensor loss(const torch::Tensor& ids, const torch::Tensor& target) {  // token ids of any shape
+    torch::Tensor x = emb->forward(ids.reshape(-1));
     x = x + down->forward(torch::gelu(up->forward(x)));
-    return vocab_parallel_cross_entropy(head->forward(x), target, comm);
+    return vocab_parallel_cross_entropy(head->forward(x), target.reshape(-1), comm);
   }
 };
 
-// Trains `model` (this rank's parts of `reference`, by layers or by plan) 10
-// steps with strata against `reference` with clip_grad_norm_ and
-// torch::optim::AdamW: gradient norms and losses within 1e-5, every step
-// clipping; then `check_parts` compares the trained weights. `zero_stage`
-// and `dp` (the data axis, or null) for tensor x data parallelism; with a
-// data axis each replica trains on batches of its own and the reference on
-// all of them (the mean of the replicas' losses). `resident`: every chunk
-// fits on the device; else three chunk pages, which must evict.
-void train_against(Communicator& comm, Full& reference, torch::nn::Module& model,
-                   const std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&)>& loss,
-                   const std::function<void()>& check_parts, std::shared_ptr<Communicator> dp = nullptr,
-                   int zero_stage = 0, bool resident = false) {
-  AdamWConfig cfg;
-  cfg.lr = 1e-2f;
-  torch::optim::AdamW adamw(reference.parameters(), torch::optim::AdamWOptions(cfg.lr).weight_decay(cfg.weight_decay));
-  int64_t params = 0;
-  for (const auto& p : model.parameters()) params += p.numel();
-  EngineOptions o;
-  // Three 4 KiB chunk pages on the device: an operator's parameters fit, the rank's model does not.
-  const uint64_t room = static_cast<uint64_t>(params) * 64 + (1 << 20);
-  o.budgets = {resident ? room : 3 * 4096, room, 0};
-  o.chunk_elems = 256;
-  o.zero_stage = zero_stage;
-  // Small enough that every step clips: the norm must count slices across
-  // the group and the replicated bias once (Note [Clipping across the tensor group]).
-  o.clip_norm = 0.5;
-  const int replicas = dp ? dp->world_size() : 1, replica = dp ? dp->rank() : 0;
-  {
-    auto engine = attach(model, cfg, o, dp);  // the data axis, never the tensor group
-    for (int s = 0; s < 10; ++s) {
-      // Every replica's batch on every rank (rank 0's draws): the reference trains on all of them.
-      const torch::Tensor ids = shared(comm, torch::randint(0, 32, {replicas, 24}).to(torch::kFloat32)).to(torch::kLong);
-      const torch::Tensor target = shared(comm, torch::randint(0, 32, {replicas, 24}).to(torch::kFloat32)).to(torch::kLong);
-      adamw.zero_grad();
-      torch::Tensor ref = reference.loss(ids.view(-1), target.view(-1));
-      ref.backward();
-      const double ref_norm = torch::nn::utils::clip_grad_norm_(reference.parameters(), o.clip_norm);
-      STRATA_CHECK(ref_norm > o.clip_norm, "the reference's gradient norm ", ref_norm, " did not need clipping");
-      adamw.step();
-      const StepResult r = engine->train_step([&] { return loss(ids[replica], target[replica]); });
-      const double norm_diff = std::abs(r.grad_norm - ref_norm) / ref_norm;
-      worst() = std::max(worst(), norm_diff);
-      STRATA_CHECK(norm_diff < 1e-5, "rank ", comm.rank(), ": step ", s, " gradient norm ", r.grad_norm,
-                   " vs single process ", ref_norm);
-      const double mean_loss = dp ? all_gather_mean(*dp, r.loss) : r.loss;
-      const double diff = std::abs(mean_loss - ref.item<double>()) / std::abs(ref.item<double>());
-      worst() = std::max(worst(), diff);
-      STRATA_CHECK(diff < 1e-5, "rank ", comm.rank(), ": step ", s, " loss ", mean_loss, " vs single process ",
-                   ref.item<double>());
-    }
-    const auto dev = engine->tier_stats(strata::memory::Tier::kDevice);
-    STRATA_CHECK(dev.peak <= dev.budget && (resident || dev.evictions > 0), "the device tier held ", dev.peak, " of ",
-                 dev.budget, " bytes with ", dev.evictions, " evictions: it must have been too small for the model");
-  }
-  check_parts();
+// Full's loss, for train_against.
+LossFn loss_of(Full& m) {
+  return [&m](const torch::Tensor& i, const torch::Tensor& t) { return m.loss(i, t); };
 }
 
 void training(Communicator& comm, bool resident) {
@@ -229,15 +174,14 @@ void training(Communicator& comm, bool resident) {
   Full reference;
   share_module(comm, reference);
   Tp model(reference, comm);
-  train_against(comm, reference, model, [&](const torch::Tensor& i, const torch::Tensor& t) { return model.loss(i, t); },
-                [&] {
-                  expect_close(model.emb->weight, rows(reference.emb->weight, comm), "trained embedding slice");
-                  expect_close(model.up->weight, rows(reference.up->weight, comm), "trained up slice");
-                  expect_close(model.down->weight, cols(reference.down->weight, comm), "trained down slice");
-                  expect_close(model.down->bias, reference.down->bias, "trained replicated bias");
-                  expect_close(model.head->weight, rows(reference.head->weight, comm), "trained head slice");
-                },
-                nullptr, 0, resident);
+  train_against(comm, reference, loss_of(reference), model,
+                [&](const torch::Tensor& i, const torch::Tensor& t) { return model.loss(i, t); }, 32, 6,
+                resident ? DeviceBudget::kResident : DeviceBudget::kPages);
+  expect_close(model.emb->weight, rows(reference.emb->weight, comm), "trained embedding slice");
+  expect_close(model.up->weight, rows(reference.up->weight, comm), "trained up slice");
+  expect_close(model.down->weight, cols(reference.down->weight, comm), "trained down slice");
+  expect_close(model.down->bias, reference.down->bias, "trained replicated bias");
+  expect_close(model.head->weight, rows(reference.head->weight, comm), "trained head slice");
 }
 
 // The Tp model's split as a plan, on an unmodified Full: the head gathers its
@@ -445,8 +389,8 @@ void plan(Communicator& comm, std::shared_ptr<Communicator> world) {
     share_module(comm, ref);
     copy_module(ref, m);
     parallelize(m, comm, full_plan());
-    train_against(comm, ref, m, [&](const torch::Tensor& i, const torch::Tensor& t) { return m.loss(i, t); },
-                  trained(ref, m, comm));
+    train_against(comm, ref, loss_of(ref), m, loss_of(m), 32, 6, DeviceBudget::kPages);
+    trained(ref, m, comm)();
   }
   if (world->world_size() == 4) {
     DeviceMesh mesh = DeviceMesh::create(*world, {2, 1, 2, 1});
@@ -457,8 +401,8 @@ void plan(Communicator& comm, std::shared_ptr<Communicator> world) {
       share_module(*world, ref);
       copy_module(ref, m);
       parallelize(m, mesh, full_plan());
-      train_against(*world, ref, m, [&](const torch::Tensor& i, const torch::Tensor& t) { return m.loss(i, t); },
-                    trained(ref, m, mesh.group(DeviceMesh::kTensor)), dp, stage);
+      train_against(*world, ref, loss_of(ref), m, loss_of(m), 32, 6, DeviceBudget::kPages, dp, stage);
+      trained(ref, m, mesh.group(DeviceMesh::kTensor))();
     }
     std::printf("rank %d: tp 2 x dp 2 at ZeRO stages 0-2 matches single-process LibTorch\n", world->rank());
   }
