@@ -6,6 +6,7 @@
 #include <unordered_set>
 
 #include "../zero/sharding.h"
+#include "strata/parallel/lazy_init.h"
 #include "strata/parallel/tensor_parallel.h"
 #include "engine_impl.h"
 #include "family_stream.h"
@@ -22,6 +23,21 @@ NonModelCounter& non_model_counter(const torch::Device& device) {
   STRATA_CHECK(c != nullptr, "tracing and device_capacity on CUDA read the CUDA caching allocator's statistics, "
                "but this LibTorch has no CUDA; build strata against a LibTorch with CUDA");
   return *c;
+}
+
+// A lazy tensor of `p`'s shape whose materialisation fails, saying why.
+torch::Tensor released_placeholder(const ManagedParam& p) {
+  torch::Tensor t;
+  {
+    LazyInit lazy;
+    t = torch::empty(p.shape, torch::TensorOptions().dtype(torch::kFloat32));
+  }
+  defer_fill(t, [name = p.name](torch::Tensor&) {
+    STRATA_FAIL("parameter ", name, " has no values: its module was constructed lazily, larger than the host budget, "
+                "and its engine was destroyed; export_weights or save before destroying the engine, and load them "
+                "into an engine to use them");
+  });
+  return t;
 }
 
 }  // namespace
@@ -63,10 +79,14 @@ Engine::Impl::Impl(torch::nn::Module& module, OptimizerConfig optimizer, EngineO
     p.tensor = t;
     p.shape = t.sizes().vec();
     p.original_device = t.device();
+    p.constructed_lazily = is_lazy(t);
     p.numel = t.numel();
     ctx.params.push_back(p);
   }
   STRATA_CHECK(!ctx.params.empty(), "the module has no trainable parameters");
+  // Buffers and frozen parameters of a lazily constructed module keep memory of their own.
+  for (const auto& [name, t] : frozen) materialize(t);
+  for (const auto& b : module.buffers(/*recurse=*/true)) materialize(b);
   for (const auto& b : module.buffers(/*recurse=*/true)) {
     if (b.is_floating_point() && b.scalar_type() != ctx.compute) casts.push_back({b, b.scalar_type()});
   }
@@ -134,17 +154,33 @@ void Engine::Impl::detach() noexcept {
     if (hook) {
       for (size_t i = 0; i < ctx.params.size(); ++i) hook->untrack(static_cast<int64_t>(i));
     }
-    std::unordered_map<memory::FamilyId, std::vector<float>> copies;
-    for (memory::FamilyId f : ctx.families) copies[f] = family_values(ctx, f);
-    for (ManagedParam& p : ctx.params) {
-      const std::vector<float>& data = copies[p.family];
-      torch::NoGradGuard no_grad;
-      torch::Tensor owned = torch::from_blob(const_cast<float*>(data.data()) + p.offset, p.tensor.sizes(), torch::kFloat32)
-                                .clone()
-                                .to(p.original_device);
-      p.tensor.set_data(owned);
+    // Note [Giving a model larger than memory back]: lazily constructed
+    // parameters larger together than the host budget do not fit where the
+    // module lives; they are given back lazy, and reading one says why.
+    uint64_t lazy_bytes = 0;
+    for (const ManagedParam& p : ctx.params) lazy_bytes += p.constructed_lazily ? p.numel * sizeof(float) : 0;
+    const bool too_large = lazy_bytes > ctx.options.budgets.host;
+    if (too_large) {
+      STRATA_LOG(kWarn, "the lazily constructed parameters ({}) exceed the host budget ({}): the module gets them back "
+                 "without values; export_weights or save before the engine is destroyed to keep them",
+                 format_bytes(lazy_bytes), format_bytes(ctx.options.budgets.host));
     }
     torch::NoGradGuard no_grad;
+    for (memory::FamilyId f : ctx.families) {  // one family's values at a time
+      std::vector<float> data;
+      for (ManagedParam& p : ctx.params) {
+        if (p.family != f) continue;
+        if (too_large && p.constructed_lazily) {
+          p.tensor.set_data(released_placeholder(p));
+          continue;
+        }
+        if (data.empty()) data = family_values(ctx, f);
+        torch::Tensor owned = torch::from_blob(data.data() + p.offset, p.tensor.sizes(), torch::kFloat32)
+                                  .clone()
+                                  .to(p.original_device);
+        p.tensor.set_data(owned);
+      }
+    }
     for (Cast& c : casts) c.tensor.set_data(c.tensor.to(c.original));
   } catch (const std::exception& e) {
     std::fprintf(stderr, "[strata error] could not give parameters their memory back: %s\n", e.what());

@@ -9,6 +9,7 @@
 #include "strata/core/log.h"
 #include "strata/kernels/optim.h"
 #include "strata/memory/nvme_swap_store.h"
+#include "strata/parallel/lazy_init.h"
 #include "strata/parallel/tensor_collectives.h"
 
 namespace strata::parallel {
@@ -180,24 +181,32 @@ void register_parameters(EngineContext& ctx) {
 void move_parameters_into_chunks(EngineContext& ctx) {
   memory::ChunkManager& mgr = *ctx.mgr;
   torch::NoGradGuard no_grad;
-  std::vector<torch::Tensor> values;
-  for (const ManagedParam& p : ctx.params) values.push_back(p.tensor.detach().to(torch::kCPU).contiguous());
-  if (ctx.data_parallel()) {
-    std::vector<WorkHandle> works;
-    for (torch::Tensor& v : values) works.push_back(broadcast(*ctx.comm, v, 0));
-    for (auto& w : works) w->wait();
-    ctx.collectives += static_cast<int64_t>(works.size());
-  }
   for (memory::FamilyId f : ctx.families) {
     for (ChunkId c : mgr.family(f).members()) {
       for (size_t slot = 0; slot < mgr.chunk(c).num_tensors(); ++slot) mgr.transition(c, slot, TensorState::kHold);
     }
   }
   const size_t esize = ctx.elem_size();
+  // One parameter at a time, so a lazily constructed module (lazy_init.h)
+  // never holds more than one parameter's values outside its chunks: the
+  // host tier spills to NVMe as it fills. Data parallel, rank 0's values,
+  // broadcast (the other ranks do not materialise theirs).
   for (size_t i = 0; i < ctx.params.size(); ++i) {
     ManagedParam& p = ctx.params[i];
+    torch::Tensor value;
+    if (!is_lazy(p.tensor)) {
+      value = p.tensor.detach().to(torch::kCPU).contiguous();
+    } else if (ctx.rank == 0 || !ctx.data_parallel()) {
+      value = materialized_copy(p.tensor).contiguous();
+    } else {
+      value = torch::empty(p.tensor.sizes(), torch::kFloat32);
+    }
+    if (ctx.data_parallel()) {
+      broadcast(*ctx.comm, value, 0)->wait();
+      ++ctx.collectives;
+    }
     const memory::ChunkFamily& fam = mgr.family(p.family);
-    const float* src = values[i].data_ptr<float>();
+    const float* src = value.data_ptr<float>();
     const auto [begin, end] = ctx.owned(p);
     const auto copy_into = [&](ChunkId c, int64_t from, int64_t to, DType dtype) {
       if (from >= to) return;
@@ -212,6 +221,7 @@ void move_parameters_into_chunks(EngineContext& ctx) {
       copy_into(fam.param, p.offset, p.offset + p.numel, ctx.options.precision);
     }
     if (fam.master) copy_into(*fam.master, begin, end, DType::kFloat32);
+    value = torch::Tensor();
     // Where the placement listener would point it (Residency::on_placed).
     void* slot = ctx.addressable(mgr.chunk(fam.param).location()) ? ctx.at(fam.param, p.offset) : nullptr;
     p.storage = c10::make_intrusive<c10::StorageImpl>(c10::StorageImpl::use_byte_size_t(),

@@ -60,6 +60,7 @@ struct ManagedParam {
   int64_t steps = 0;      // optimizer updates applied
   size_t group = 0;       // index into EngineContext::groups
   bool has_grad = false;  // a gradient arrived since the last step
+  bool constructed_lazily = false;  // lazy at attach (lazy_init.h)
   int copies = 0;         // tensor parallel: ranks of the group holding this part (tensor_copies_of); 0: not split
 };
 

@@ -12,6 +12,7 @@
 #include "family_stream.h"
 #include "strata/checkpoint/files.h"
 #include "strata/checkpoint/safetensors.h"
+#include "strata/parallel/lazy_init.h"
 #include "tensor_files.h"
 
 namespace strata::parallel {
@@ -111,10 +112,21 @@ void import_weights(torch::nn::Module& module, const std::string& path) {
     }
     STRATA_CHECK(t->shape == shape_of(dst), path, ": tensor ", t->name, " is ", shape_str(t->shape),
                  " but the module's parameter is ", shape_str(shape_of(dst)));
-    torch::Tensor src = torch::empty(t->shape, torch::TensorOptions().dtype(torch_dtype(t->dtype)));
-    r.read(*t, 0, src.data_ptr(), t->end - t->begin);
+    const auto read = [entry = *t](SafetensorsReader& from, torch::Tensor& target) {
+      torch::Tensor src = torch::empty(entry.shape, torch::TensorOptions().dtype(torch_dtype(entry.dtype)));
+      from.read(entry, 0, src.data_ptr(), entry.end - entry.begin);
+      target.copy_(src);
+    };
     torch::Tensor target = dst;  // a copy of the handle: copy_ writes the shared tensor
-    target.copy_(src);
+    if (is_lazy(dst)) {
+      // Read as attach materialises the parameter into its chunks.
+      defer_fill(dst, [path, read](torch::Tensor& into) {
+        SafetensorsReader from(path);
+        read(from, into);
+      });
+    } else {
+      read(r, target);
+    }
   }
   if (!missing.empty()) {
     std::string list;
