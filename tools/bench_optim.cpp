@@ -191,6 +191,7 @@ void add_bench_command(CLI::App& app) {
 #if defined(STRATA_HAVE_TORCH)
   add_bench_step_command(*bench);
   add_bench_checkpoint_command(*bench);
+  add_bench_scale_command(*bench);
 #if defined(STRATA_HAVE_GLOO)
   add_bench_comm_command(*bench);
   add_bench_pipeline_command(*bench);

@@ -1,0 +1,217 @@
+// `strata bench scale`: examples/gpt's model at billions of parameters (3B
+// by default), constructed lazily, attached with the device budget at 1 GiB,
+// the host at 12 GiB and the rest on NVMe, trained a few steps with every
+// block checkpointed. It prints construction and attach time with peak RSS
+// after each, and per step its time beside the NVMe bound for the bytes the
+// step moved to and from the store: read bytes / the store's read bandwidth +
+// written bytes / its write bandwidth, both measured in the same run before
+// the model is built. The step's ratio to that bound is the figure; the goal
+// is 1.5x. On the emulated device the device tier is host memory, so the RSS
+// target is the host and device budgets + 1 GiB.
+#include <fmt/format.h>
+
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <optional>
+
+#include "commands.h"
+#include "gpt_model.h"
+#include "strata/core/bytes.h"
+#include "strata/core/error.h"
+#include "strata/parallel/engine.h"
+#include "strata/parallel/lazy_init.h"
+
+namespace strata::tools {
+namespace {
+
+namespace mem = memory;
+using Clock = std::chrono::steady_clock;
+
+double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+struct ScaleBenchOptions {
+  std::string params = "3b";  // parameter count: 3b, 1.5b, 800m, 125000000
+  int dim = 3072;
+  int heads = 24;
+  int layers = 0;  // 0: from --params
+  int context = 64;
+  int batch = 1;
+  int steps = 2;
+  std::string device = "1GiB", host = "12GiB", nvme = "40GiB";
+  std::string nvme_dir;
+  std::string store_probe = "1GiB";
+  bool json = false;
+};
+
+// "3b", "1.5B", "800m", "125000000" -> a count.
+double parse_count(const std::string& s) {
+  STRATA_CHECK(!s.empty(), "--params is empty; give a count such as 3b, 1.5b or 800m");
+  char* end = nullptr;
+  const double v = std::strtod(s.c_str(), &end);
+  const std::string unit(end);
+  double scale = 1;
+  if (unit == "b" || unit == "B") scale = 1e9;
+  else if (unit == "m" || unit == "M") scale = 1e6;
+  else if (unit == "k" || unit == "K") scale = 1e3;
+  else STRATA_CHECK(unit.empty(), "--params ", s, ": use a number with k, m or b (3b, 1.5b, 800m)");
+  STRATA_CHECK(end != s.c_str() && v > 0 && std::isfinite(v), "--params ", s, " is not a positive count");
+  return v * scale;
+}
+
+// Peak and current resident memory of this process; the peak reset to now.
+uint64_t status_bytes(const char* field) {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  const std::string key = std::string(field) + ":";
+  while (std::getline(status, line)) {
+    if (line.rfind(key, 0) == 0) return std::stoull(line.substr(key.size())) << 10;
+  }
+  return 0;
+}
+void reset_peak_rss() { std::ofstream("/proc/self/clear_refs") << "5"; }
+
+struct Traffic {
+  uint64_t read = 0, written = 0;  // bytes from and to the NVMe tier
+};
+Traffic nvme_traffic(const mem::MoveStats& m) {
+  Traffic t;
+  for (int k = 0; k < mem::kNumTiers; ++k) {
+    t.read += m.bytes[static_cast<int>(mem::Tier::kNvme)][k];
+    t.written += m.bytes[k][static_cast<int>(mem::Tier::kNvme)];
+  }
+  return t;
+}
+
+void run_scale_bench(const ScaleBenchOptions& o) {
+  namespace fs = std::filesystem;
+  examples::GptConfig mc;
+  mc.dim = o.dim;
+  mc.heads = o.heads;
+  mc.context = o.context;
+  mc.checkpoint_blocks = true;
+  const double wanted = parse_count(o.params);
+  mc.layers = o.layers > 0 ? o.layers
+                           : std::max(1, static_cast<int>(std::lround(wanted / (12.0 * o.dim * static_cast<double>(o.dim)))));
+  parallel::EngineOptions eo;
+  eo.budgets = {parse_bytes(o.device), parse_bytes(o.host), parse_bytes(o.nvme)};
+  eo.nvme_dir = o.nvme_dir.empty() ? (fs::temp_directory_path() / "strata-bench-scale").string() : o.nvme_dir;
+  eo.clip_norm = 1.0;
+  STRATA_CHECK(!fs::exists(eo.nvme_dir) || fs::is_empty(eo.nvme_dir), "--nvme-dir ", eo.nvme_dir,
+               " is not empty; give an empty or new directory (the benchmark removes what it writes there)");
+
+  // The store's own bandwidth, on the disk the tier will use, before anything fills it.
+  const std::string probe = (fs::path(eo.nvme_dir) / "probe").string();
+  const auto [write_gbps, read_gbps] = nvme_store_gbps(probe, parse_bytes(o.store_probe));
+  fs::remove_all(probe);
+
+  reset_peak_rss();
+  const uint64_t rss0 = status_bytes("VmRSS");
+  torch::manual_seed(0);
+  auto t = Clock::now();
+  examples::Gpt model{nullptr};
+  {
+    parallel::LazyInit lazy;
+    model = examples::Gpt(mc);
+  }
+  const double build_s = since(t);
+  const uint64_t build_peak = status_bytes("VmHWM") - rss0;
+  const int64_t params = examples::count_parameters(*model);
+  const uint64_t state = static_cast<uint64_t>(params) * 16;  // fp32 parameters, gradients, Adam's two states
+
+  t = Clock::now();
+  auto engine = parallel::attach(*model, parallel::AdamWConfig{1e-5}, eo);
+  const double attach_s = since(t);
+  const uint64_t attach_peak = status_bytes("VmHWM") - rss0;
+
+  if (!o.json) {
+    fmt::print("strata bench scale: examples/gpt, {} layers x dim {} ({} parameters, {:.2f} B; fp32 model state {}), "
+               "batch {} x context {}, every block checkpointed\n",
+               mc.layers, mc.dim, params, params / 1e9, format_bytes(state), o.batch, o.context);
+    fmt::print("budgets: device {} ({}), host {}, nvme {} in {}; {} chunk families\n", format_bytes(eo.budgets.device),
+               engine->chunks().device().name(), format_bytes(eo.budgets.host), format_bytes(eo.budgets.nvme), eo.nvme_dir,
+               engine->num_families());
+    fmt::print("nvme store (the ceiling): write {:.2f} GB/s, read {:.2f} GB/s over {}\n", write_gbps, read_gbps,
+               o.store_probe);
+    fmt::print("construction (lazy): {:.1f} s, peak RSS +{}\n", build_s, format_bytes(build_peak));
+    fmt::print("attach (materialise into chunks): {:.1f} s, peak RSS +{}\n", attach_s, format_bytes(attach_peak));
+    fmt::print("{:<5} {:>9} {:>11} {:>11} {:>11} {:>8} {:>10}\n", "step", "time s", "nvme read", "nvme write",
+               "bound s", "ratio", "loss");
+  }
+  nlohmann::json steps = nlohmann::json::array();
+  double total_s = 0;
+  for (int s = 1; s <= o.steps; ++s) {
+    const torch::Tensor tokens = torch::randint(0, mc.vocab, {o.batch, o.context + 1});
+    const torch::Tensor x = tokens.slice(1, 0, o.context), y = tokens.slice(1, 1, o.context + 1);
+    const Traffic before = nvme_traffic(engine->chunks().move_stats());
+    t = Clock::now();
+    const double loss = engine->train_step([&] { return model->loss(x, y); }).loss;
+    const double step_s = since(t);
+    total_s += step_s;
+    const Traffic after = nvme_traffic(engine->chunks().move_stats());
+    const uint64_t read = after.read - before.read, written = after.written - before.written;
+    const double bound = read / (read_gbps * 1e9) + written / (write_gbps * 1e9);
+    const double ratio = bound > 0 ? step_s / bound : 0;
+    steps.push_back({{"step", s}, {"seconds", step_s}, {"nvme_read_bytes", read}, {"nvme_written_bytes", written},
+                     {"nvme_bound_seconds", bound}, {"ratio_to_bound", ratio}, {"loss", loss}});
+    if (!o.json) {
+      fmt::print("{:<5} {:>9.1f} {:>11} {:>11} {:>11.1f} {:>7.2f}x {:>10.4f}\n", s, step_s, format_bytes(read),
+                 format_bytes(written), bound, ratio, loss);
+      std::fflush(stdout);
+    }
+  }
+  const uint64_t peak = status_bytes("VmHWM") - rss0;
+  const uint64_t target = eo.budgets.host + (engine->chunks().device().name().find("emulated") != std::string::npos
+                                                 ? eo.budgets.device
+                                                 : 0) +
+                          (uint64_t{1} << 30);
+  const mem::TierStats nvme = engine->chunks().tier_stats(mem::Tier::kNvme);
+  const double tokens_per_s = o.steps * o.batch * o.context / total_s;
+  if (o.json) {
+    nlohmann::json j{{"layers", mc.layers},        {"dim", mc.dim},
+                     {"parameters", params},       {"model_state_bytes", state},
+                     {"budgets", {{"device", eo.budgets.device}, {"host", eo.budgets.host}, {"nvme", eo.budgets.nvme}}},
+                     {"store_write_gbps", write_gbps}, {"store_read_gbps", read_gbps},
+                     {"construction_seconds", build_s}, {"construction_peak_rss_bytes", build_peak},
+                     {"attach_seconds", attach_s}, {"attach_peak_rss_bytes", attach_peak},
+                     {"steps", steps},              {"peak_rss_bytes", peak},
+                     {"rss_target_bytes", target},  {"nvme_peak_bytes", nvme.peak},
+                     {"tokens_per_second", tokens_per_s}};
+    fmt::print("{}\n", j.dump(2));
+  } else {
+    fmt::print("tokens/s {:.2f}; nvme tier peak {} of budget {}\n", tokens_per_s, format_bytes(nvme.peak),
+               format_bytes(nvme.budget));
+    fmt::print("peak RSS +{} against the target {} (host budget{} + 1 GiB): {}\n", format_bytes(peak),
+               format_bytes(target), target > eo.budgets.host + (uint64_t{1} << 30) ? " + emulated device budget" : "",
+               peak <= target ? "within" : "over");
+  }
+  engine.reset();
+  fs::remove_all(eo.nvme_dir);
+}
+
+}  // namespace
+
+void add_bench_scale_command(CLI::App& bench) {
+  auto* cmd = bench.add_subcommand("scale", "examples/gpt at billions of parameters, lazily constructed, on NVMe: "
+                                            "step time against the NVMe bound, peak RSS against the budgets");
+  auto o = std::make_shared<ScaleBenchOptions>();
+  cmd->add_option("--params", o->params, "parameter count (3b, 1.5b, 800m); sets the layers at --dim")
+      ->capture_default_str();
+  cmd->add_option("--layers", o->layers, "transformer blocks (overrides --params)");
+  cmd->add_option("--dim", o->dim, "model width")->capture_default_str();
+  cmd->add_option("--heads", o->heads, "attention heads")->capture_default_str();
+  cmd->add_option("--context", o->context, "tokens per sequence")->capture_default_str();
+  cmd->add_option("--batch", o->batch, "sequences per step")->capture_default_str();
+  cmd->add_option("--steps", o->steps, "training steps")->capture_default_str()->check(CLI::PositiveNumber);
+  cmd->add_option("--device-budget", o->device, "device tier budget")->capture_default_str();
+  cmd->add_option("--host-budget", o->host, "host tier budget")->capture_default_str();
+  cmd->add_option("--nvme-budget", o->nvme, "NVMe tier budget")->capture_default_str();
+  cmd->add_option("--nvme-dir", o->nvme_dir, "an empty directory for the NVMe tier (default: $TMPDIR/strata-bench-scale)");
+  cmd->add_option("--store-probe", o->store_probe, "bytes the store's bandwidth is measured over")->capture_default_str();
+  cmd->add_flag("--json", o->json, "print one JSON document");
+  cmd->callback([o] { run_scale_bench(*o); });
+}
+
+}  // namespace strata::tools
