@@ -11,7 +11,7 @@
 //       [--decay-all] [--baseline]
 //       [--save-every N] [--checkpoint-dir DIR] [--resume DIR] [--export-weights FILE]
 //       [--zero-stage 0-3] [--pp P [--pp-schedule S] [--microbatches M] [--virtual-stages V]]
-//       [--lazy] [--checkpoint-activations] [--preset 3b] [--sample-tokens 80]
+//       [--lazy] [--checkpoint-activations | --offload-activations] [--preset 3b] [--sample-tokens 80]
 //
 // --save-every N saves the full training state to --checkpoint-dir every N
 // steps (atomically: the directory always holds one complete checkpoint);
@@ -189,6 +189,8 @@ int run(int argc, char** argv) {
   app.add_option("--context", mc.context, "tokens (bytes) per sequence")->check(CLI::PositiveNumber);
   app.add_flag("--checkpoint-activations", mc.checkpoint_blocks,
                "recompute each block's activations in backward instead of keeping them (activation checkpointing)");
+  app.add_flag("--offload-activations", mc.offload_blocks,
+               "keep each block's saved activations in host memory until its backward (activation offload)");
   app.add_option("--batch", batch, "sequences per step")->check(CLI::PositiveNumber);
   app.add_option("--lr", lr, "peak learning rate")->check(CLI::NonNegativeNumber & finite_number);
   app.add_option("--optimizer", optimizer, "adamw, adam, lion or sgd")
@@ -285,6 +287,8 @@ int run(int argc, char** argv) {
     mc.checkpoint_blocks = true;
     lazy = true;
   }
+  STRATA_CHECK(!(mc.checkpoint_blocks && mc.offload_blocks), "--checkpoint-activations and --offload-activations: "
+               "a checkpointed block keeps nothing to offload; choose one");
   STRATA_CHECK(!lazy || !baseline, "--lazy with --baseline: plain LibTorch needs the whole model in memory; drop one");
   if (schedule != "cosine" && schedule != "linear" && schedule != "constant") {
     pp_schedule = schedule;  // a pipeline schedule given as --schedule

@@ -7,6 +7,7 @@
 
 #include "strata/core/error.h"
 #include "strata/parallel/activation_checkpoint.h"
+#include "strata/parallel/activation_offload.h"
 
 namespace strata::examples {
 
@@ -55,10 +56,14 @@ void init_like_gpt(torch::nn::Module& m) {
   }
 }
 
-// One block's forward, recomputed in backward when `checkpointed`.
-torch::Tensor run_block(GptBlockImpl* block, const torch::Tensor& x, const torch::Tensor& mask, bool checkpointed) {
-  if (!checkpointed) return block->forward(x, mask);
-  return strata::parallel::checkpoint([block, mask](const torch::Tensor& h) { return block->forward(h, mask); }, x);
+// One block's forward: its activations recomputed in backward (checkpointed),
+// kept in host memory until then (offloaded), or kept.
+torch::Tensor run_block(GptBlockImpl* block, const torch::Tensor& x, const torch::Tensor& mask, bool checkpointed,
+                        bool offloaded) {
+  const auto fn = [block, mask](const torch::Tensor& h) { return block->forward(h, mask); };
+  if (checkpointed) return strata::parallel::checkpoint(fn, x);
+  if (offloaded) return strata::parallel::offload_activations(fn, x);
+  return fn(x);
 }
 
 }  // namespace
@@ -82,7 +87,7 @@ torch::Tensor GptImpl::forward(const torch::Tensor& idx) {
   const int64_t t = idx.size(1);
   const torch::Tensor mask = torch::ones({t, t}, torch::kBool).triu(1);
   torch::Tensor x = tok->forward(idx) + pos->forward(config.positions ? config.positions(t) : torch::arange(t));
-  for (const auto& m : *blocks) x = run_block(m->as<GptBlockImpl>(), x, mask, config.checkpoint_blocks);
+  for (const auto& m : *blocks) x = run_block(m->as<GptBlockImpl>(), x, mask, config.checkpoint_blocks, config.offload_blocks);
   if (head) return head->forward(ln->forward(x));
   return torch::nn::functional::linear(ln->forward(x), tok->weight);  // output tied to the input embedding
 }
@@ -106,13 +111,13 @@ TORCH_MODULE(GptEmbedding);
 // A block that builds its own causal mask: one tensor in, one out.
 struct GptStageBlockImpl : torch::nn::Module {
   GptBlock block{nullptr};
-  bool checkpointed;
-  GptStageBlockImpl(int dim, int heads, bool checkpoint) : checkpointed(checkpoint) {
+  bool checkpointed, offloaded;
+  GptStageBlockImpl(int dim, int heads, bool checkpoint, bool offload) : checkpointed(checkpoint), offloaded(offload) {
     block = register_module("block", GptBlock(dim, heads));
   }
   torch::Tensor forward(const torch::Tensor& x) {
     const int64_t t = x.size(1);
-    return run_block(block.get(), x, torch::ones({t, t}, torch::kBool).triu(1), checkpointed);
+    return run_block(block.get(), x, torch::ones({t, t}, torch::kBool).triu(1), checkpointed, offloaded);
   }
 };
 TORCH_MODULE(GptStageBlock);
@@ -134,7 +139,7 @@ torch::nn::Sequential gpt_layers(const GptConfig& c) {
   STRATA_CHECK(c.dim % c.heads == 0, "the model width (", c.dim, ") must be a multiple of the heads (", c.heads, ")");
   torch::nn::Sequential s;
   s->push_back(GptEmbedding(c.vocab, c.context, c.dim));
-  for (int i = 0; i < c.layers; ++i) s->push_back(GptStageBlock(c.dim, c.heads, c.checkpoint_blocks));
+  for (int i = 0; i < c.layers; ++i) s->push_back(GptStageBlock(c.dim, c.heads, c.checkpoint_blocks, c.offload_blocks));
   s->push_back(GptHead(c.dim, c.vocab));
   init_like_gpt(*s);
   return s;

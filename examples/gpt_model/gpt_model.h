@@ -23,6 +23,9 @@ struct GptConfig {
   /// Activation checkpointing per block: each block's activations are
   /// recomputed in backward instead of kept (strata::parallel::checkpoint).
   bool checkpoint_blocks = false;
+  /// Activation offload per block: each block's saved activations wait in
+  /// host memory until its backward (strata::parallel::offload_activations).
+  bool offload_blocks = false;
   /// The output projection tied to the token embedding (false: a head of its
   /// own, as the 2D and 3D tensor-parallel model and the pipeline's layers have).
   bool tied_head = true;

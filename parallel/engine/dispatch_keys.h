@@ -23,8 +23,9 @@ inline void remove(c10::TensorImpl* impl, c10::DispatchKey key) {
 
 /// Registers `Fallback` as the boxed fallback of `key`, once per process (per
 /// Fallback). The registration is never destroyed: it must outlive every
-/// static destructor that may run operators.
-template <void (*Fallback)(const c10::OperatorHandle&, torch::jit::Stack*)>
+/// static destructor that may run operators. `Fallback` is a boxed function,
+/// with or without the dispatch key set as its second argument.
+template <auto Fallback>
 void register_fallback_once(c10::DispatchKey key) {
   static std::once_flag once;
   std::call_once(once, [key] {

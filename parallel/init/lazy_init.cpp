@@ -12,6 +12,7 @@
 #include <unordered_set>
 
 #include "../engine/dispatch_keys.h"
+#include "deferred_key.h"
 #include "strata/core/error.h"
 #include "strata/core/log.h"
 
@@ -48,7 +49,7 @@ namespace strata::parallel {
 
 namespace {
 
-constexpr c10::DispatchKey kLazyKey = c10::DispatchKey::DeferredInit;
+constexpr c10::DispatchKey kLazyKey = deferred_key::kKey;
 
 struct Step {
   caffe2::TypeMeta dtype;
@@ -338,7 +339,22 @@ bool lazy_view(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   return true;
 }
 
-void lazy_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+// Activation collection, outside lazy construction: the operator runs below
+// this key, so the operators it calls come back here and are seen too.
+void collect_around(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+  const size_t n = op.schema().arguments().size();
+  deferred_key::saw_arguments(*stack, n);
+  const size_t below = stack->size() - n;
+  try {
+    op.redispatchBoxed(keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kLazyKey), stack);
+  } catch (...) {
+    deferred_key::saw_failure();
+    throw;
+  }
+  deferred_key::saw_results(*stack, stack->size() - below);
+}
+
+void lazy_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
   const c10::FunctionSchema& schema = op.schema();
   const size_t n = schema.arguments().size();
   if (lazy_factory(op, stack)) return;
@@ -352,7 +368,13 @@ void lazy_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       for_each_tensor(v, [&](const at::Tensor& t) { lazy_in_list = lazy_in_list || record_of(t) != nullptr; });
     }
   }
-  if ((lazy_args.empty() && !lazy_in_list) || metadata_only().count(schema.name())) return run_excluded(op, stack);
+  if (lazy_args.empty() && !lazy_in_list) {
+    // Lazy construction runs operators with the key excluded: kernels that
+    // make temporaries must get memory, not lazy tensors.
+    if (t_state.depth == 0 && deferred_key::collecting()) return collect_around(op, keys, stack);
+    return run_excluded(op, stack);
+  }
+  if (metadata_only().count(schema.name())) return run_excluded(op, stack);
   const auto& args = schema.arguments();
   const auto writes = [&](size_t k) { return args[k].alias_info() != nullptr && args[k].alias_info()->isWrite(); };
   bool writes_other = false;
@@ -370,12 +392,14 @@ void lazy_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 
 }  // namespace
 
+void deferred_key::register_fallback() { dispatch_keys::register_fallback_once<&lazy_fallback>(kLazyKey); }
+
 struct LazyInit::Guard {
   c10::impl::IncludeDispatchKeyGuard include{kLazyKey};
 };
 
 LazyInit::LazyInit() {
-  dispatch_keys::register_fallback_once<&lazy_fallback>(kLazyKey);
+  deferred_key::register_fallback();
   guard_ = std::make_unique<Guard>();
   ++t_state.depth;
 }
