@@ -224,6 +224,20 @@ std::string format_trace_report(const Trace& t, size_t top) {
                      format_bytes(o.non_model_peak), format_bytes(o.non_model_bytes), o.chunks.size()));
   }
 
+  // Activations per layer: what checkpointing or offloading each would free.
+  const std::vector<LayerActivations> layers = layer_activations(t);
+  if (!layers.empty()) {
+    uint64_t kept = 0;
+    for (const LayerActivations& l : layers) kept += l.kept_bytes;
+    line("");
+    line(fmt::format("activations kept for backward per layer (first step's forward, {} in all; "
+                     "checkpoint or offload the largest):", format_bytes(kept)));
+    for (const LayerActivations& l : layers) {
+      line(fmt::format("  {:<28} {:>12} {:>5.1f}%  forward {:>9.2f} ms  {} ops", l.layer, format_bytes(l.kept_bytes),
+                       kept ? 100.0 * l.kept_bytes / kept : 0.0, l.forward_seconds * 1e3, l.ops));
+    }
+  }
+
   // Chunk utilisation.
   std::map<std::string, std::pair<uint64_t, uint64_t>> by_role;  // role -> (used bytes, allocated bytes)
   uint64_t used = 0, alloc = 0;
@@ -242,6 +256,104 @@ std::string format_trace_report(const Trace& t, size_t top) {
     line(fmt::format("  {:<7} {:>12} of {:>12} used", role, format_bytes(e.first), format_bytes(e.second)));
   }
   return out;
+}
+
+namespace {
+
+std::string layer_of(const std::string& param, int depth) {
+  size_t cut = std::string::npos, at = 0;
+  for (int k = 0; k < depth; ++k) {
+    const size_t dot = param.find('.', at);
+    if (dot == std::string::npos) break;
+    cut = dot;
+    at = dot + 1;
+  }
+  return cut == std::string::npos ? param : param.substr(0, cut);
+}
+
+// The ops of the first traced step.
+std::pair<int64_t, int64_t> first_step(const Trace& t) {
+  if (t.steps.empty()) return {0, static_cast<int64_t>(t.ops.size())};
+  return {t.steps[0].first_op, std::min<int64_t>(t.steps[0].end_op, static_cast<int64_t>(t.ops.size()))};
+}
+
+}  // namespace
+
+std::vector<LayerActivations> layer_activations(const Trace& t, int depth) {
+  STRATA_CHECK(depth >= 1, "the layer depth must be at least 1, got ", depth);
+  std::vector<LayerActivations> layers;
+  std::map<std::string, size_t> index;
+  const auto [begin, end] = first_step(t);
+  std::string current;
+  uint64_t run_start = 0, last = 0;  // non-model bytes when the current run began, and after the last op
+  bool started = false;
+  const auto close_run = [&] {
+    if (current.empty()) return;
+    layers[index.at(current)].kept_bytes += last > run_start ? last - run_start : 0;
+  };
+  for (int64_t i = begin; i < end; ++i) {
+    const TraceOp& o = t.ops[static_cast<size_t>(i)];
+    if (o.phase != "forward") continue;
+    std::string layer = current;
+    if (!o.params.empty() && o.params[0] >= 0 && static_cast<size_t>(o.params[0]) < t.params.size()) {
+      layer = layer_of(t.params[static_cast<size_t>(o.params[0])], depth);
+    }
+    if (!started) last = o.non_model_bytes;  // the first operator's own output is not known apart
+    started = true;
+    if (layer != current) {
+      close_run();
+      current = layer;
+      run_start = last;
+      if (!current.empty() && index.emplace(current, layers.size()).second) layers.push_back({current, 0, 0.0, 0});
+    }
+    last = o.non_model_bytes;
+    if (!current.empty()) {
+      layers[index.at(current)].forward_seconds += o.seconds;
+      ++layers[index.at(current)].ops;
+    }
+  }
+  close_run();
+  return layers;
+}
+
+CheckpointPrediction predict_checkpointing(const Trace& t, const std::vector<std::string>& patterns, int depth) {
+  CheckpointPrediction p;
+  const std::vector<LayerActivations> layers = layer_activations(t, depth);
+  STRATA_CHECK(!layers.empty(), "the trace names no parameters, so it has no layers; record it with a strata "
+               "version that writes parameter names (trace version 2)");
+  uint64_t largest = 0;
+  std::vector<std::string> unmatched;
+  for (const std::string& pattern : patterns) {
+    const bool prefix = !pattern.empty() && pattern.back() == '*';
+    const std::string stem = prefix ? pattern.substr(0, pattern.size() - 1) : pattern;
+    bool any = false;
+    for (const LayerActivations& l : layers) {
+      const bool match = prefix ? l.layer.rfind(stem, 0) == 0 : l.layer == stem;
+      if (!match) continue;
+      any = true;
+      if (std::find(p.layers.begin(), p.layers.end(), l.layer) != p.layers.end()) continue;
+      p.layers.push_back(l.layer);
+      p.freed_bytes += l.kept_bytes;
+      p.recompute_seconds += l.forward_seconds;
+      largest = std::max(largest, l.kept_bytes);
+    }
+    if (!any) unmatched.push_back(pattern);
+  }
+  if (!unmatched.empty()) {
+    std::string names;
+    for (size_t i = 0; i < std::min<size_t>(layers.size(), 6); ++i) names += (i ? ", " : "") + layers[i].layer;
+    STRATA_FAIL("no layer matches ", unmatched.front(), "; the trace's layers at depth ", depth, " are ", names,
+                layers.size() > 6 ? ", ..." : "", " (a trailing * matches a prefix)");
+  }
+  const auto [begin, end] = first_step(t);
+  for (int64_t i = begin; i < end; ++i) {
+    const TraceOp& o = t.ops[static_cast<size_t>(i)];
+    if (o.phase != "optimizer") p.peak_before = std::max(p.peak_before, o.non_model_peak);
+  }
+  if (!t.steps.empty()) p.step_seconds = t.steps[0].seconds;
+  const uint64_t freed = p.freed_bytes - largest;
+  p.peak_after = p.peak_before > freed ? p.peak_before - freed : 0;
+  return p;
 }
 
 std::string export_chrome_trace(const Trace& t) {

@@ -8,10 +8,13 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <optional>
+#include <unordered_map>
 
 #include "strata/core/bytes.h"
 #include "strata/core/error.h"
 #include "strata/core/log.h"
+#include "strata/offload/extent_allocator.h"
 #include "strata/offload/cuda_runtime.h"
 #include "strata/offload/topology.h"
 
@@ -38,6 +41,55 @@ struct HostArena::Impl {
   bool all_pinned = true;
   bool all_bound = true;
   std::atomic<uint64_t> allocated_bytes{0};
+
+  // Note [Large chunks from one reservation]: unpinned, allocations of at
+  // least kLargeBytes come from `large` over address space reserved once.
+  static constexpr size_t kLargeBytes = size_t{1} << 20;
+  static constexpr uint64_t kReserveBytes = uint64_t{1} << 40;  // 1 TiB of addresses, no memory
+  bool large_tried = false;
+  char* reserve = nullptr;
+  std::optional<ExtentAllocator> large;
+  std::unordered_map<void*, Extent> large_live;
+  uint64_t large_touched = 0;  // the highest offset handed out: what the reservation holds resident at most
+
+  // From the reservation, or nullptr to use jemalloc (pinned arenas, small
+  // sizes, no reservation, or none of it fits).
+  void* allocate_large(size_t bytes) {
+    if (bytes < kLargeBytes) return nullptr;
+    std::lock_guard<std::mutex> lock(mutex);
+    if (!large_tried) {
+      large_tried = true;
+      const bool pinning = options.pin && !cuda::probe().devices.empty();
+      if (!pinning) {
+        void* r = mmap(nullptr, kReserveBytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                       -1, 0);
+        if (r != MAP_FAILED) {
+          reserve = static_cast<char*>(r);
+          large.emplace(std::vector<uint64_t>{kReserveBytes}, options.alignment);
+        }
+      }
+    }
+    if (!large) return nullptr;
+    const std::optional<Extent> e = large->allocate(round_up(bytes, options.alignment));
+    if (!e) return nullptr;
+    void* ptr = reserve + e->offset;
+    large_live.emplace(ptr, *e);
+    large_touched = std::max(large_touched, e->offset + e->bytes);
+    allocated_bytes += e->bytes;
+    return ptr;
+  }
+  bool free_large(void* ptr) noexcept {
+    std::lock_guard<std::mutex> lock(mutex);
+    const auto it = large_live.find(ptr);
+    if (it == large_live.end()) return false;
+    allocated_bytes -= it->second.bytes;
+    try {
+      large->free(it->second);
+    } catch (...) {  // cannot happen: the extent was handed out once
+    }
+    large_live.erase(it);
+    return true;
+  }
 
   static Impl* from(extent_hooks_t* h) { return reinterpret_cast<Impl*>(h); }
 
@@ -144,9 +196,11 @@ HostArena::~HostArena() {
     return;
   }
   impl_->release_mappings();
+  if (impl_->reserve != nullptr) munmap(impl_->reserve, Impl::kReserveBytes);
 }
 
 void* HostArena::allocate(size_t bytes) {
+  if (void* ptr = impl_->allocate_large(bytes)) return ptr;
   const size_t align = impl_->options.alignment;
   const size_t rounded = std::max<size_t>(static_cast<size_t>(round_up(bytes, align)), align);
   void* ptr = mallocx(rounded, MALLOCX_ALIGN(align) | MALLOCX_ARENA(impl_->arena) | MALLOCX_TCACHE_NONE);
@@ -158,7 +212,7 @@ void* HostArena::allocate(size_t bytes) {
 }
 
 void HostArena::deallocate(void* ptr) noexcept {
-  if (ptr == nullptr) return;
+  if (ptr == nullptr || impl_->free_large(ptr)) return;
   impl_->allocated_bytes -= sallocx(ptr, MALLOCX_TCACHE_NONE);
   dallocx(ptr, MALLOCX_TCACHE_NONE);
 }
@@ -169,7 +223,7 @@ unsigned HostArena::arena_index() const noexcept { return impl_->arena; }
 HostArenaStats HostArena::stats() const {
   std::lock_guard<std::mutex> lock(impl_->mutex);
   HostArenaStats s;
-  s.mapped_bytes = impl_->mapped_bytes;
+  s.mapped_bytes = impl_->mapped_bytes + impl_->large_touched;
   s.allocated_bytes = impl_->allocated_bytes.load();
   s.mappings = impl_->mappings.size();
   s.pinned = !impl_->mappings.empty() && impl_->all_pinned;

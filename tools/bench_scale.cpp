@@ -157,8 +157,11 @@ void run_scale_bench(const ScaleBenchOptions& o) {
     steps.push_back({{"step", s}, {"seconds", step_s}, {"nvme_read_bytes", read}, {"nvme_written_bytes", written},
                      {"nvme_bound_seconds", bound}, {"ratio_to_bound", ratio}, {"loss", loss}});
     if (!o.json) {
-      fmt::print("{:<5} {:>9.1f} {:>11} {:>11} {:>11.1f} {:>7.2f}x {:>10.4f}\n", s, step_s, format_bytes(read),
-                 format_bytes(written), bound, ratio, loss);
+      const offload::HostArenaStats arena = engine->chunks().host_arena().stats();
+      fmt::print("{:<5} {:>9.1f} {:>11} {:>11} {:>11.1f} {:>7.2f}x {:>10.4f}   RSS {} (host arena: {} mapped, {} live)\n",
+                 s, step_s, format_bytes(read), format_bytes(written), bound, ratio, loss,
+                 format_bytes(status_bytes("VmRSS")), format_bytes(arena.mapped_bytes),
+                 format_bytes(arena.allocated_bytes));
       std::fflush(stdout);
     }
   }

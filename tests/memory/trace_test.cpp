@@ -93,6 +93,70 @@ TEST(Trace, WriteIsAtomicAndReadBack) {
   std::filesystem::remove_all(dir);
 }
 
+// Three layers' forwards, then backward: blocks.0 keeps 300 bytes (its
+// operators and the GELU after it), blocks.1 keeps 500, the head 0.
+Trace layered() {
+  Trace t = sample();
+  t.params = {"blocks.0.fc.weight", "blocks.1.fc.weight", "head.weight"};
+  const auto op = [](const std::string& name, const std::string& phase, std::vector<int64_t> params, uint64_t after,
+                     uint64_t peak, double seconds) {
+    TraceOp o;
+    o.name = name;
+    o.phase = phase;
+    o.params = std::move(params);
+    o.non_model_bytes = after;
+    o.non_model_peak = peak;
+    o.seconds = seconds;
+    return o;
+  };
+  t.ops = {op("aten::embedding", "forward", {}, 1000, 1000, 0.001),
+           op("aten::addmm", "forward", {0}, 1200, 1200, 0.002),
+           op("aten::gelu", "forward", {}, 1300, 1300, 0.001),
+           op("aten::addmm", "forward", {1}, 1700, 1700, 0.003),
+           op("aten::tanh", "forward", {}, 1800, 1800, 0.001),
+           op("aten::addmm", "forward", {2}, 1800, 1900, 0.004),
+           op("aten::mm", "backward", {1}, 1500, 2000, 0.002),
+           op("strata::optimizer_step", "optimizer", {}, 0, 5000, 0.01)};
+  for (size_t i = 0; i < t.ops.size(); ++i) t.ops[i].index = static_cast<int64_t>(i);
+  t.steps = {{0, 0, static_cast<int64_t>(t.ops.size()), 0.05}};
+  return t;
+}
+
+TEST(Trace, ActivationsPerLayerAndTheEffectOfCheckpointing) {
+  const Trace t = layered();
+  const std::vector<LayerActivations> layers = layer_activations(t);
+  ASSERT_EQ(layers.size(), 3u);
+  EXPECT_EQ(layers[0].layer, "blocks.0");
+  EXPECT_EQ(layers[0].kept_bytes, 300u);
+  EXPECT_EQ(layers[0].ops, 2);
+  EXPECT_NEAR(layers[0].forward_seconds, 0.003, 1e-12);
+  EXPECT_EQ(layers[1].layer, "blocks.1");
+  EXPECT_EQ(layers[1].kept_bytes, 500u);
+  EXPECT_EQ(layers[2].layer, "head");  // at most all but the last component
+  EXPECT_EQ(layers[2].kept_bytes, 0u);
+  // Depth 1: every block is one layer "blocks".
+  const std::vector<LayerActivations> shallow = layer_activations(t, 1);
+  ASSERT_EQ(shallow.size(), 2u);
+  EXPECT_EQ(shallow[0].kept_bytes, 800u);
+
+  const CheckpointPrediction p = predict_checkpointing(t, {"blocks.*"});
+  EXPECT_EQ(p.layers, (std::vector<std::string>{"blocks.0", "blocks.1"}));
+  EXPECT_EQ(p.freed_bytes, 800u);
+  EXPECT_EQ(p.peak_before, 2000u);       // the optimizer's workspace is not an activation
+  EXPECT_EQ(p.peak_after, 2000u - 300u);  // blocks.1's 500 come back while it is recomputed
+  EXPECT_NEAR(p.recompute_seconds, 0.007, 1e-12);
+  const std::string error = [&] {
+    try {
+      predict_checkpointing(t, {"blocks.7"});
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  }();
+  EXPECT_NE(error.find("no layer matches blocks.7"), std::string::npos) << error;
+  EXPECT_NE(format_trace_report(t).find("blocks.1"), std::string::npos);
+}
+
 TEST(Trace, ReportSumsMovesStallsAndPadding) {
   const std::string r = format_trace_report(sample(), 1);
   EXPECT_NE(r.find("1 steps, 2 operators"), std::string::npos) << r;

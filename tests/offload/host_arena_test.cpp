@@ -4,6 +4,8 @@
 
 #include <cstdint>
 #include <cstring>
+#include <fstream>
+#include <string>
 #include <random>
 #include <vector>
 
@@ -66,6 +68,29 @@ TEST(HostArena, FreedMemoryIsReusedNotRemapped) {
   const uint64_t mapped = arena.stats().mapped_bytes;
   for (int i = 0; i < 50; ++i) arena.deallocate(arena.allocate(8 << 20));
   EXPECT_EQ(arena.stats().mapped_bytes, mapped) << "chunk churn must not take new mappings from the OS";
+}
+
+// Note [Large chunks from one reservation]: freed neighbours serve a chunk
+// as large as both together, so chunks of changing sizes reuse the memory
+// already touched rather than taking more (which stays resident: the arena
+// never returns memory).
+TEST(HostArena, FreedNeighboursServeALargerChunk) {
+  HostArenaOptions o;
+  o.pin = false;
+  HostArena arena(o);
+  void* a = arena.allocate(3 << 20);
+  void* b = arena.allocate(5 << 20);
+  std::memset(a, 1, 3 << 20);
+  std::memset(b, 1, 5 << 20);
+  const uint64_t mapped = arena.stats().mapped_bytes;
+  arena.deallocate(a);
+  arena.deallocate(b);
+  void* c = arena.allocate(8 << 20);
+  EXPECT_EQ(c, a) << "the two freed extents, merged, hold the larger chunk";
+  EXPECT_EQ(arena.stats().mapped_bytes, mapped);
+  EXPECT_EQ(arena.stats().allocated_bytes, uint64_t{8} << 20);
+  arena.deallocate(c);
+  EXPECT_EQ(arena.stats().allocated_bytes, 0u);
 }
 
 TEST(HostArena, ArenasAreSeparate) {
