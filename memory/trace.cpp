@@ -230,7 +230,7 @@ std::string format_trace_report(const Trace& t, size_t top) {
     uint64_t kept = 0;
     for (const LayerActivations& l : layers) kept += l.kept_bytes;
     line("");
-    line(fmt::format("activations kept for backward per layer (first step's forward, {} in all; "
+    line(fmt::format("activations kept for backward per layer (last traced step's forward, {} in all; "
                      "checkpoint or offload the largest):", format_bytes(kept)));
     for (const LayerActivations& l : layers) {
       line(fmt::format("  {:<28} {:>12} {:>5.1f}%  forward {:>9.2f} ms  {} ops", l.layer, format_bytes(l.kept_bytes),
@@ -271,10 +271,12 @@ std::string layer_of(const std::string& param, int depth) {
   return cut == std::string::npos ? param : param.substr(0, cut);
 }
 
-// The ops of the first traced step.
-std::pair<int64_t, int64_t> first_step(const Trace& t) {
+// The ops of the last traced step: the steady state (the first carries
+// one-time costs: planning, first touches of memory).
+std::pair<int64_t, int64_t> last_step(const Trace& t) {
   if (t.steps.empty()) return {0, static_cast<int64_t>(t.ops.size())};
-  return {t.steps[0].first_op, std::min<int64_t>(t.steps[0].end_op, static_cast<int64_t>(t.ops.size()))};
+  const TraceStep& s = t.steps.back();
+  return {s.first_op, std::min<int64_t>(s.end_op, static_cast<int64_t>(t.ops.size()))};
 }
 
 }  // namespace
@@ -283,7 +285,7 @@ std::vector<LayerActivations> layer_activations(const Trace& t, int depth) {
   STRATA_CHECK(depth >= 1, "the layer depth must be at least 1, got ", depth);
   std::vector<LayerActivations> layers;
   std::map<std::string, size_t> index;
-  const auto [begin, end] = first_step(t);
+  const auto [begin, end] = last_step(t);
   std::string current;
   uint64_t run_start = 0, last = 0;  // non-model bytes when the current run began, and after the last op
   bool started = false;
@@ -308,7 +310,7 @@ std::vector<LayerActivations> layer_activations(const Trace& t, int depth) {
     }
     last = o.non_model_bytes;
     if (!current.empty()) {
-      layers[index.at(current)].forward_seconds += o.seconds;
+      layers[index.at(current)].forward_seconds += std::max(0.0, o.seconds - o.stall_seconds);
       ++layers[index.at(current)].ops;
     }
   }
@@ -345,12 +347,12 @@ CheckpointPrediction predict_checkpointing(const Trace& t, const std::vector<std
     STRATA_FAIL("no layer matches ", unmatched.front(), "; the trace's layers at depth ", depth, " are ", names,
                 layers.size() > 6 ? ", ..." : "", " (a trailing * matches a prefix)");
   }
-  const auto [begin, end] = first_step(t);
+  const auto [begin, end] = last_step(t);
   for (int64_t i = begin; i < end; ++i) {
     const TraceOp& o = t.ops[static_cast<size_t>(i)];
     if (o.phase != "optimizer") p.peak_before = std::max(p.peak_before, o.non_model_peak);
   }
-  if (!t.steps.empty()) p.step_seconds = t.steps[0].seconds;
+  if (!t.steps.empty()) p.step_seconds = t.steps.back().seconds;
   const uint64_t freed = p.freed_bytes - largest;
   p.peak_after = p.peak_before > freed ? p.peak_before - freed : 0;
   return p;

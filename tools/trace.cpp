@@ -100,7 +100,8 @@ void predict_checkpoint(const memory::Trace& t, const SimOptions& o) {
   std::string names;
   for (size_t i = 0; i < p.layers.size(); ++i) names += (i ? ", " : "") + p.layers[i];
   fmt::print("checkpointing {} layers ({}): their forwards keep {} fewer activations; non-model peak {} -> {} "
-             "(predicted); each step recomputes {:.2f} ms of forward ({:.2f} ms traced step -> {:.2f} ms)\n",
+             "(predicted); each step recomputes their forward, at most {:.2f} ms as traced ({:.2f} ms step -> at most "
+             "{:.2f} ms)\n",
              p.layers.size(), names, format_bytes(p.freed_bytes), format_bytes(p.peak_before),
              format_bytes(p.peak_after), p.recompute_seconds * 1e3, p.step_seconds * 1e3,
              (p.step_seconds + p.recompute_seconds) * 1e3);

@@ -93,7 +93,7 @@ std::string format_trace_report(const Trace& trace, size_t top = 10);
 /// Note [Activations per layer]
 /// A layer is a parameter name cut to its first `depth` components (at most
 /// all but the last): depth 2 makes "blocks.3.qkv.weight" the layer
-/// "blocks.3". Over the first traced step's forward, each operator belongs to
+/// "blocks.3". Over the last traced step's forward, each operator belongs to
 /// the layer of the first parameter it used, or to the layer before it when
 /// it used none (a GELU between two Linear layers). A layer's kept bytes are
 /// the growth of non-model bytes (live after each operator) over its run of
@@ -103,7 +103,7 @@ std::string format_trace_report(const Trace& trace, size_t top = 10);
 struct LayerActivations {
   std::string layer;
   uint64_t kept_bytes = 0;
-  double forward_seconds = 0.0;  // its operators' traced time, stalls included
+  double forward_seconds = 0.0;  // its operators' traced time less their stalls (hook work included)
   int64_t ops = 0;
 };
 /// In order of first use; empty when the trace names no parameters.
@@ -117,9 +117,9 @@ std::vector<LayerActivations> layer_activations(const Trace& trace, int depth = 
 struct CheckpointPrediction {
   std::vector<std::string> layers;  // the layers matched
   uint64_t freed_bytes = 0;         // their kept bytes
-  uint64_t peak_before = 0, peak_after = 0;  // non-model peak of the first traced step
-  double recompute_seconds = 0.0;   // per step
-  double step_seconds = 0.0;        // the first traced step as traced
+  uint64_t peak_before = 0, peak_after = 0;  // non-model peak of the last traced step
+  double recompute_seconds = 0.0;   // per step, at most: their forward time as traced
+  double step_seconds = 0.0;        // the last traced step as traced
 };
 CheckpointPrediction predict_checkpointing(const Trace& trace, const std::vector<std::string>& patterns,
                                            int depth = 2);
