@@ -190,7 +190,12 @@ void run_scale_bench(const ScaleBenchOptions& o) {
                format_bytes(target), target > eo.budgets.host + (uint64_t{1} << 30) ? " + emulated device budget" : "",
                peak <= target ? "within" : "over");
   }
+  t = Clock::now();
   engine.reset();
+  if (!o.json) {
+    fmt::print("engine destroyed in {:.1f} s; RSS {}, peak RSS +{}\n", since(t), format_bytes(status_bytes("VmRSS")),
+               format_bytes(status_bytes("VmHWM") - rss0));
+  }
   fs::remove_all(eo.nvme_dir);
 }
 

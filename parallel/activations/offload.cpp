@@ -70,18 +70,9 @@ thread_local Collector* t_collector = nullptr;
 
 template <typename Fn>
 void for_each_storage(const c10::IValue& v, Fn fn) {
-  const auto one = [&](const at::Tensor& t) {
+  deferred_key::for_each_tensor(v, [&](const at::Tensor& t) {
     if (t.defined() && t.has_storage()) fn(t.storage().unsafeGetStorageImpl());
-  };
-  if (v.isTensor()) {
-    one(v.toTensor());
-  } else if (v.isTensorList()) {
-    for (const at::Tensor& t : v.toTensorList()) one(t);
-  } else if (v.isList()) {
-    for (const c10::IValue& e : v.toListRef()) {
-      if (e.isTensor()) one(e.toTensor());
-    }
-  }
+  });
 }
 
 // One offloaded storage.

@@ -33,8 +33,8 @@ torch::Tensor released_placeholder(const ManagedParam& p) {
     t = torch::empty(p.shape, torch::TensorOptions().dtype(torch::kFloat32));
   }
   defer_fill(t, [name = p.name](torch::Tensor&) {
-    STRATA_FAIL("parameter ", name, " has no values: its module was constructed lazily, larger than the host budget, "
-                "and its engine was destroyed; export_weights or save before destroying the engine, and load them "
+    STRATA_FAIL("parameter ", name, " has no values: its module was constructed lazily, too large to be given back "
+                "memory within the host budget, and its engine was destroyed; export_weights or save before destroying the engine, and load them "
                 "into an engine to use them");
   });
   return t;
@@ -154,16 +154,19 @@ void Engine::Impl::detach() noexcept {
     if (hook) {
       for (size_t i = 0; i < ctx.params.size(); ++i) hook->untrack(static_cast<int64_t>(i));
     }
-    // Note [Giving a model larger than memory back]: lazily constructed
-    // parameters larger together than the host budget do not fit where the
-    // module lives; they are given back lazy, and reading one says why.
+    // Note [Giving a model larger than memory back]: the engine still holds
+    // its host tier while it gives parameters their memory back, so lazily
+    // constructed parameters that would take the host memory in use past the
+    // host budget are given back lazy instead, and reading one says why.
     uint64_t lazy_bytes = 0;
     for (const ManagedParam& p : ctx.params) lazy_bytes += p.constructed_lazily ? p.numel * sizeof(float) : 0;
-    const bool too_large = lazy_bytes > ctx.options.budgets.host;
+    const uint64_t host_used = ctx.mgr->tier_stats(Tier::kHost).used;
+    const bool too_large = lazy_bytes > 0 && lazy_bytes + host_used > ctx.options.budgets.host;
     if (too_large) {
-      STRATA_LOG(kWarn, "the lazily constructed parameters ({}) exceed the host budget ({}): the module gets them back "
-                 "without values; export_weights or save before the engine is destroyed to keep them",
-                 format_bytes(lazy_bytes), format_bytes(ctx.options.budgets.host));
+      STRATA_LOG(kWarn, "the lazily constructed parameters ({}) do not fit beside the host tier's {} in the host budget "
+                 "({}): the module gets them back without values; export_weights or save before the engine is "
+                 "destroyed to keep them",
+                 format_bytes(lazy_bytes), format_bytes(host_used), format_bytes(ctx.options.budgets.host));
     }
     torch::NoGradGuard no_grad;
     for (memory::FamilyId f : ctx.families) {  // one family's values at a time

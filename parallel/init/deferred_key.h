@@ -12,6 +12,21 @@ namespace strata::parallel::deferred_key {
 
 constexpr c10::DispatchKey kKey = c10::DispatchKey::DeferredInit;
 
+/// Calls fn on each tensor an operator argument or result holds (a tensor,
+/// a tensor list, or a list with tensors in it).
+template <typename Fn>
+void for_each_tensor(const c10::IValue& v, Fn fn) {
+  if (v.isTensor()) {
+    fn(v.toTensor());
+  } else if (v.isTensorList()) {
+    for (const at::Tensor& t : v.toTensorList()) fn(t);
+  } else if (v.isList()) {
+    for (const c10::IValue& e : v.toListRef()) {
+      if (e.isTensor()) fn(e.toTensor());
+    }
+  }
+}
+
 /// Registers the key's fallback, once per process.
 void register_fallback();
 

@@ -161,18 +161,7 @@ void realise(const at::Tensor& t) {
   dispatch_keys::remove(t.unsafeGetTensorImpl(), kLazyKey);
 }  // `old` frees the record
 
-template <typename Fn>
-void for_each_tensor(const c10::IValue& v, Fn fn) {
-  if (v.isTensor()) {
-    fn(v.toTensor());
-  } else if (v.isTensorList()) {
-    for (const at::Tensor& t : v.toTensorList()) fn(t);
-  } else if (v.isList()) {
-    for (const c10::IValue& e : v.toListRef()) {
-      if (e.isTensor()) fn(e.toTensor());
-    }
-  }
-}
+using deferred_key::for_each_tensor;
 
 const std::unordered_set<std::string>& factories() {
   static const std::unordered_set<std::string> names{

@@ -9,6 +9,7 @@
 
 #include <filesystem>
 
+#include "parallel/deep_blocks.h"
 #include "parallel/test_util.h"
 #include "strata/memory/trace.h"
 #include "strata/parallel/engine.h"
@@ -17,32 +18,7 @@
 namespace strata::parallel {
 namespace {
 
-// Blocks wide enough that their activations dominate, with dropout.
-struct Deep : torch::nn::Module {
-  std::vector<torch::nn::Sequential> blocks;
-  torch::nn::Linear head{nullptr};
-  bool checkpointed = false;
-  explicit Deep(uint64_t seed, int n = 6, int width = 256) {
-    torch::manual_seed(seed);
-    for (int i = 0; i < n; ++i) {
-      blocks.push_back(register_module("block" + std::to_string(i),
-                                       torch::nn::Sequential(torch::nn::Linear(width, width), torch::nn::GELU(),
-                                                             torch::nn::Dropout(0.1), torch::nn::Linear(width, width),
-                                                             torch::nn::Tanh())));
-    }
-    head = register_module("head", torch::nn::Linear(width, 4));
-  }
-  torch::Tensor forward(torch::Tensor x) {
-    for (auto& b : blocks) {
-      if (checkpointed) {
-        x = x + checkpoint([m = b.ptr()](const torch::Tensor& h) { return m->forward(h); }, x);
-      } else {
-        x = x + b->forward(x);
-      }
-    }
-    return head->forward(x);
-  }
-};
+using Deep = DeepBlocks;
 
 TEST(ActivationCheckpoint, SameGradientsWithDropoutAndALowerActivationPeak) {
   NonModelCounter& counter = cpu_non_model_counter();
@@ -51,7 +27,7 @@ TEST(ActivationCheckpoint, SameGradientsWithDropoutAndALowerActivationPeak) {
   std::vector<uint64_t> peaks;
   for (bool ckpt : {false, true}) {
     Deep m(3);
-    m.checkpointed = ckpt;
+    m.mode = ckpt ? BlockMode::kCheckpoint : BlockMode::kKeep;
     m.train();
     torch::manual_seed(77);  // the same dropout masks in both runs
     const uint64_t before = counter.current();
@@ -69,11 +45,11 @@ TEST(ActivationCheckpoint, SameGradientsWithDropoutAndALowerActivationPeak) {
   EXPECT_LT(peaks[1], peaks[0] * 3 / 4) << "checkpointed peak " << peaks[1] << " vs " << peaks[0];
   // The random stream after backward is where forward left it: recomputation does not consume it.
   Deep m(3);
-  m.checkpointed = true;
+  m.mode = BlockMode::kCheckpoint;
   torch::manual_seed(5);
   torch::mse_loss(m.forward(x), y).backward();
   const torch::Tensor after_ckpt = torch::rand({4});
-  m.checkpointed = false;
+  m.mode = BlockMode::kKeep;
   torch::manual_seed(5);
   torch::mse_loss(m.forward(x), y).backward();
   EXPECT_TRUE(torch::equal(torch::rand({4}), after_ckpt));
@@ -87,7 +63,7 @@ void engine_run(DType precision, double tol) {
   std::vector<std::vector<torch::Tensor>> finals(2);
   for (int ckpt = 0; ckpt < 2; ++ckpt) {
     Deep m(4, 4, 128);
-    m.checkpointed = ckpt == 1;
+    m.mode = ckpt == 1 ? BlockMode::kCheckpoint : BlockMode::kKeep;
     EngineOptions o;
     o.budgets = {256 << 10, 8 << 20, 0};  // about a quarter of the model state on the device
     o.chunk_elems = 16384;

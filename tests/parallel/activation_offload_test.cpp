@@ -10,6 +10,7 @@
 
 #include <filesystem>
 
+#include "parallel/deep_blocks.h"
 #include "parallel/test_util.h"
 #include "strata/parallel/activation_checkpoint.h"
 #include "strata/parallel/engine.h"
@@ -18,36 +19,8 @@
 namespace strata::parallel {
 namespace {
 
-enum class Mode { kPlain, kOffload, kMixed };  // kMixed: even blocks offloaded, odd ones checkpointed
-
-struct Deep : torch::nn::Module {
-  std::vector<torch::nn::Sequential> blocks;
-  torch::nn::Linear head{nullptr};
-  Mode mode = Mode::kPlain;
-  explicit Deep(uint64_t seed, int n = 6, int width = 256) {
-    torch::manual_seed(seed);
-    for (int i = 0; i < n; ++i) {
-      blocks.push_back(register_module("block" + std::to_string(i),
-                                       torch::nn::Sequential(torch::nn::Linear(width, width), torch::nn::GELU(),
-                                                             torch::nn::Dropout(0.1), torch::nn::Linear(width, width),
-                                                             torch::nn::Tanh())));
-    }
-    head = register_module("head", torch::nn::Linear(width, 4));
-  }
-  torch::Tensor forward(torch::Tensor x) {
-    for (size_t i = 0; i < blocks.size(); ++i) {
-      const auto run = [m = blocks[i].ptr()](const torch::Tensor& h) { return m->forward(h); };
-      if (mode == Mode::kOffload || (mode == Mode::kMixed && i % 2 == 0)) {
-        x = x + offload_activations(run, x);
-      } else if (mode == Mode::kMixed) {
-        x = x + checkpoint(run, x);
-      } else {
-        x = x + run(x);
-      }
-    }
-    return head->forward(x);
-  }
-};
+using Deep = DeepBlocks;
+using Mode = BlockMode;
 
 TEST(ActivationOffload, SameGradientsAndAPeakLowerByTheOffloadedBytes) {
   NonModelCounter& counter = cpu_non_model_counter();
@@ -55,7 +28,7 @@ TEST(ActivationOffload, SameGradientsAndAPeakLowerByTheOffloadedBytes) {
   std::vector<std::vector<torch::Tensor>> grads;
   std::vector<uint64_t> peaks;
   uint64_t offloaded = 0;
-  for (Mode mode : {Mode::kPlain, Mode::kOffload, Mode::kMixed}) {
+  for (Mode mode : {Mode::kKeep, Mode::kOffload, Mode::kMixed}) {
     Deep m(3);
     m.mode = mode;
     m.train();
@@ -122,7 +95,7 @@ void engine_run(DType precision) {
   for (int off = 0; off < 2; ++off) {
     const uint64_t offloaded_before = activation_offload_stats().offloaded_bytes;
     Deep m(4, 4, 128);
-    m.mode = off == 1 ? Mode::kOffload : Mode::kPlain;
+    m.mode = off == 1 ? Mode::kOffload : Mode::kKeep;
     EngineOptions o;
     o.budgets = {256 << 10, 8 << 20, 0};
     o.chunk_elems = 16384;
