@@ -166,10 +166,8 @@ void run_scale_bench(const ScaleBenchOptions& o) {
     }
   }
   const uint64_t peak = status_bytes("VmHWM") - rss0;
-  const uint64_t target = eo.budgets.host + (engine->chunks().device().name().find("emulated") != std::string::npos
-                                                 ? eo.budgets.device
-                                                 : 0) +
-                          (uint64_t{1} << 30);
+  const bool emulated = engine->chunks().device().kind() == offload::DeviceKind::kEmulated;
+  const uint64_t target = eo.budgets.host + (emulated ? eo.budgets.device : 0) + (uint64_t{1} << 30);
   const mem::TierStats nvme = engine->chunks().tier_stats(mem::Tier::kNvme);
   const double tokens_per_s = o.steps * o.batch * o.context / total_s;
   if (o.json) {
@@ -187,7 +185,7 @@ void run_scale_bench(const ScaleBenchOptions& o) {
     fmt::print("tokens/s {:.2f}; nvme tier peak {} of budget {}\n", tokens_per_s, format_bytes(nvme.peak),
                format_bytes(nvme.budget));
     fmt::print("peak RSS +{} against the target {} (host budget{} + 1 GiB): {}\n", format_bytes(peak),
-               format_bytes(target), target > eo.budgets.host + (uint64_t{1} << 30) ? " + emulated device budget" : "",
+               format_bytes(target), emulated ? " + emulated device budget" : "",
                peak <= target ? "within" : "over");
   }
   t = Clock::now();

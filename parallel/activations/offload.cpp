@@ -122,7 +122,7 @@ uint64_t restore(Entry& e) {
 
 // A block's offloaded activations, owned by the pre-hooks on its outputs'
 // grad_fns (so by the graph).
-struct Offloaded : std::enable_shared_from_this<Offloaded> {
+struct Offloaded {
   std::vector<Entry> entries;
   std::weak_ptr<Offloaded> previous;  // the block offloaded before this one
   std::mutex mu;
@@ -153,7 +153,10 @@ struct Offloaded : std::enable_shared_from_this<Offloaded> {
   void prefetch() {
     std::lock_guard<std::mutex> lock(mu);
     if (back || in_flight.valid()) return;
-    in_flight = std::async(std::launch::async, [self = shared_from_this()] { self->restore_all(true); }).share();
+    // `this`, not a shared_ptr: the task's state lives in `in_flight`, so a
+    // strong reference there would keep this record alive forever. The
+    // destructor waits for the task instead.
+    in_flight = std::async(std::launch::async, [this] { restore_all(true); }).share();
   }
   ~Offloaded() {
     if (in_flight.valid()) in_flight.wait();

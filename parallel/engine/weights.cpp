@@ -82,6 +82,7 @@ void Engine::export_weights(const std::string& whole_path) {
 // Copies the tensors of a safetensors file into `module`'s parameters by name.
 void import_weights(torch::nn::Module& module, const std::string& path) {
   SafetensorsReader r(path);
+  std::shared_ptr<SafetensorsReader> shared;  // for lazy parameters, read later
   std::vector<std::string> missing;
   std::unordered_set<std::string> used;
   torch::NoGradGuard no_grad;
@@ -119,11 +120,10 @@ void import_weights(torch::nn::Module& module, const std::string& path) {
     };
     torch::Tensor target = dst;  // a copy of the handle: copy_ writes the shared tensor
     if (is_lazy(dst)) {
-      // Read as attach materialises the parameter into its chunks.
-      defer_fill(dst, [path, read](torch::Tensor& into) {
-        SafetensorsReader from(path);
-        read(from, into);
-      });
+      // Read as attach materialises the parameter into its chunks, through
+      // one reader for the file (its header parsed once).
+      if (!shared) shared = std::make_shared<SafetensorsReader>(path);
+      defer_fill(dst, [shared, read](torch::Tensor& into) { read(*shared, into); });
     } else {
       read(r, target);
     }

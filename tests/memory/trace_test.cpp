@@ -9,6 +9,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "error_of.h"
 #include "strata/core/error.h"
 
 namespace strata::memory {
@@ -145,14 +146,7 @@ TEST(Trace, ActivationsPerLayerAndTheEffectOfCheckpointing) {
   EXPECT_EQ(p.peak_before, 2000u);       // the optimizer's workspace is not an activation
   EXPECT_EQ(p.peak_after, 2000u - 300u);  // blocks.1's 500 come back while it is recomputed
   EXPECT_NEAR(p.recompute_seconds, 0.007, 1e-12);
-  const std::string error = [&] {
-    try {
-      predict_checkpointing(t, {"blocks.7"});
-    } catch (const Error& e) {
-      return std::string(e.what());
-    }
-    return std::string("no error");
-  }();
+  const std::string error = error_of([&] { predict_checkpointing(t, {"blocks.7"}); });
   EXPECT_NE(error.find("no layer matches blocks.7"), std::string::npos) << error;
   EXPECT_NE(format_trace_report(t).find("blocks.1"), std::string::npos);
 }
