@@ -53,6 +53,7 @@ struct ThreadPool::Impl {
   int threads = 1;
   std::vector<std::thread> workers;
   std::mutex mu;
+  std::mutex run_mu;  // held by the caller of a parallel_for for its whole run
   std::condition_variable wake;
   std::condition_variable done;
   uint64_t generation = 0;
@@ -107,6 +108,9 @@ void ThreadPool::parallel_for(int64_t n, int64_t grain, int64_t min_per_thread,
     fn(0, n);
     return;
   }
+  // One job at a time: two threads may run kernels at once (the optimizer
+  // step's device and host halves on the emulated device); the second waits.
+  std::lock_guard<std::mutex> one_job(impl_->run_mu);
   // Contiguous ranges with boundaries on multiples of `grain` (no false sharing of writes).
   std::vector<std::pair<int64_t, int64_t>> ranges(impl_->threads, {0, 0});
   const int64_t per = (n + parts - 1) / parts;

@@ -70,6 +70,7 @@ ChunkManager::ChunkManager(ChunkManagerOptions options)
                  "-byte chunk alignment");
   }
   for (int t = 0; t < kNumTiers; ++t) stats_[t].budget = budgets_.of(static_cast<Tier>(t));
+  device_->set_capacity(budgets_.device);  // the arena enforces the budget too (Note [The device arena])
 }
 
 ChunkManager::~ChunkManager() {
@@ -313,13 +314,14 @@ void ChunkManager::transfer(Chunk& c, Tier to, Lock& lock) {
   moves_.started_count[static_cast<int>(from)][static_cast<int>(to)] += 1;
   void* src = c.ptr_;
   const ChunkId key = c.id_;
+  const offload::DeviceEvent last_use = c.last_use_;
   lock.unlock();  // the bytes move without the lock; `c` is busy, so nobody else touches it
   std::exception_ptr failure;
   try {
     if (from == Tier::kDevice && to == Tier::kNvme) {
       // Streamed: block i is written while block i+1 comes off the device.
       nvme_->write_streamed(key, bytes, [&](size_t off, void* block, size_t len) {
-        device_->copy_to_host(block, static_cast<const char*>(src) + off, len);
+        device_->copy_to_host(block, static_cast<const char*>(src) + off, len, last_use);
       });
     } else if (from == Tier::kNvme && to == Tier::kDevice) {
       // Streamed: block i goes to the device while block i+1 is read.
@@ -333,7 +335,7 @@ void ChunkManager::transfer(Chunk& c, Tier to, Lock& lock) {
     } else if (to == Tier::kDevice) {
       device_->copy_from_host(dst, src, bytes);
     } else {
-      device_->copy_to_host(dst, src, bytes);
+      device_->copy_to_host(dst, src, bytes, last_use);  // after the operators that wrote it
     }
   } catch (...) {
     failure = std::current_exception();
@@ -413,13 +415,14 @@ void ChunkManager::free_payload(Chunk& c) noexcept {
   const Tier tier = *c.location_;
   const size_t bytes = c.alloc_bytes();
   switch (tier) {
-    case Tier::kDevice: device_->deallocate(c.ptr_); break;
+    case Tier::kDevice: device_->deallocate(c.ptr_, c.last_use_); break;  // reused after its last use
     case Tier::kHost: host_.deallocate(c.ptr_); break;
     case Tier::kNvme: nvme_->discard(c.id_); break;
   }
   account(tier, -static_cast<int64_t>(bytes), -1);
   c.ptr_ = nullptr;
   c.location_.reset();
+  c.last_use_ = offload::DeviceEvent();
   policy_->on_leave(c.id_, tier);
 }
 
@@ -474,7 +477,11 @@ void ChunkManager::transition(ChunkId id, size_t slot, TensorState to) {
                  " is not resident on device or host; access() it first");
     ++c.compute_count_;
   }
-  if (from == TensorState::kCompute) --c.compute_count_;
+  if (from == TensorState::kCompute) {
+    --c.compute_count_;
+    // The operators queued so far may still read or write it on the device.
+    if (c.location_ == Tier::kDevice) c.last_use_ = device_->compute_event();
+  }
   c.states_[slot] = to;
 }
 
@@ -497,7 +504,7 @@ void ChunkManager::read(ChunkId id, void* host_dst, size_t bytes) const {
                c.payload_bytes(), " bytes");
   STRATA_CHECK(c.location_.has_value(), "cannot read ", c.describe(), ": it has no payload");
   switch (*c.location_) {
-    case Tier::kDevice: device_->copy_to_host(host_dst, c.ptr_, bytes); break;
+    case Tier::kDevice: device_->copy_to_host(host_dst, c.ptr_, bytes, c.last_use_); break;
     case Tier::kHost: std::memcpy(host_dst, c.ptr_, bytes); break;
     case Tier::kNvme: {
       // The store reads whole aligned blocks; the staging buffer is transient
@@ -518,7 +525,7 @@ void ChunkManager::write(ChunkId id, const void* host_src, size_t bytes) {
                c.payload_bytes(), " bytes");
   STRATA_CHECK(c.location_.has_value(), "cannot write ", c.describe(), ": it has no payload; access() it first");
   switch (*c.location_) {
-    case Tier::kDevice: device_->copy_from_host(c.ptr_, host_src, bytes); break;
+    case Tier::kDevice: device_->copy_from_host(c.ptr_, host_src, bytes, c.last_use_); break;
     case Tier::kHost: std::memcpy(c.ptr_, host_src, bytes); break;
     case Tier::kNvme: {
       // The store writes the new copy before it frees the old one, so the
@@ -561,6 +568,7 @@ uint64_t ChunkManager::set_budget(Tier tier, uint64_t bytes) {
     s.evictions += 1;
   }
   s.budget = std::max(bytes, s.used);
+  if (tier == Tier::kDevice) device_->trim(s.budget);  // room past the budget goes back (Note [The device arena])
   return s.budget;
 }
 

@@ -1,59 +1,127 @@
 #include "strata/offload/device_memory.h"
 
+#include <sys/mman.h>
+
+#include <cerrno>
 #include <cstdlib>
 #include <cstring>
 
+#include "strata/core/bytes.h"
 #include "strata/core/error.h"
+#include "strata/offload/copy_engine.h"
 #include "strata/offload/cuda_runtime.h"
-#include "strata/offload/host_arena.h"
 
 namespace strata::offload {
 
 namespace {
 
+// A job on an emulated copy stream: complete when its ticket is.
+class TicketEvent final : public DeviceEvent::Impl {
+ public:
+  explicit TicketEvent(CopyTicket ticket) : ticket_(std::move(ticket)) {}
+  bool query() const override { return CopyEngine::test(ticket_); }
+  void synchronize() const override { CopyEngine::wait(ticket_); }
+
+ private:
+  CopyTicket ticket_;
+};
+
+// Emulated segments: anonymous mappings, which cost nothing until touched and
+// go back to the system when released.
+void* map_segment(size_t bytes) {
+  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  STRATA_CHECK(p != MAP_FAILED, "cannot map ", format_bytes(bytes), " for the emulated device: ", std::strerror(errno));
+  return p;
+}
+
 class EmulatedDeviceMemory final : public DeviceMemory {
  public:
-  EmulatedDeviceMemory() : arena_(HostArenaOptions{/*pin=*/false, std::nullopt, 4096}) {}
+  EmulatedDeviceMemory()
+      : arena_(DeviceArena::Backing{map_segment, [](void* p, size_t bytes) { ::munmap(p, bytes); }}, kAlignment) {}
 
   DeviceKind kind() const noexcept override { return DeviceKind::kEmulated; }
   std::string name() const override { return "emulated in host memory"; }
   size_t alignment() const noexcept override { return arena_.alignment(); }
   void* allocate(size_t bytes) override { return arena_.allocate(bytes); }
-  void deallocate(void* ptr) noexcept override { arena_.deallocate(ptr); }
-  void copy_from_host(void* dst, const void* src, size_t bytes) override { std::memcpy(dst, src, bytes); }
-  void copy_to_host(void* dst, const void* src, size_t bytes) override { std::memcpy(dst, src, bytes); }
+  void deallocate(void* ptr, const DeviceEvent& after) noexcept override { arena_.deallocate(ptr, after); }
+  void set_capacity(uint64_t bytes) override { arena_.set_capacity(bytes); }
+  void trim(uint64_t keep) override { arena_.trim(keep); }
+  DeviceArenaStats arena_stats() const override { return arena_.stats(); }
+
+  // Each direction is a copy engine with one worker: its jobs run in order, as
+  // a stream's. A job first waits for `after` (a stream waiting on an event).
+  DeviceEvent copy_from_host_async(void* dst, const void* src, size_t bytes, const DeviceEvent& after) override {
+    return on_stream(to_device_, dst, src, bytes, after);
+  }
+  DeviceEvent copy_to_host_async(void* dst, const void* src, size_t bytes, const DeviceEvent& after) override {
+    return on_stream(to_host_, dst, src, bytes, after);
+  }
   void fill_zero(void* ptr, size_t bytes) override { std::memset(ptr, 0, bytes); }
+  DeviceEvent compute_event() override { return DeviceEvent(); }  // the caller's work is done when it returns
+  void compute_wait(const DeviceEvent& event) override { event.synchronize(); }
   bool host_accessible() const noexcept override { return true; }
 
  private:
-  HostArena arena_;
+  static constexpr size_t kAlignment = 4096;  // what O_DIRECT reads into a payload need
+
+  static DeviceEvent on_stream(CopyEngine& stream, void* dst, const void* src, size_t bytes, const DeviceEvent& after) {
+    return DeviceEvent(std::make_shared<TicketEvent>(stream.submit([dst, src, bytes, after] {
+      after.synchronize();
+      std::memcpy(dst, src, bytes);
+    })));
+  }
+
+  DeviceArena arena_;
+  CopyEngine to_device_{1};  // last: their jobs finish before the arena goes
+  CopyEngine to_host_{1};
 };
 
 class CudaDeviceMemory final : public DeviceMemory {
  public:
-  CudaDeviceMemory(int index, std::string device_name) : index_(index), device_name_(std::move(device_name)) {}
+  CudaDeviceMemory(int index, std::string device_name)
+      : index_(index),
+        device_name_(std::move(device_name)),
+        arena_(DeviceArena::Backing{[index](size_t bytes) { return cuda::device_malloc(index, bytes); },
+                                    [index](void* p, size_t) { cuda::device_free(index, p); }},
+               kAlignment) {}
 
   DeviceKind kind() const noexcept override { return DeviceKind::kCuda; }
   int index() const noexcept override { return index_; }
   std::string name() const override { return "cuda:" + std::to_string(index_) + " (" + device_name_ + ")"; }
-  size_t alignment() const noexcept override { return 256; }  // cudaMalloc's documented minimum
-  void* allocate(size_t bytes) override { return cuda::device_malloc(index_, bytes); }
-  void deallocate(void* ptr) noexcept override { cuda::device_free(index_, ptr); }
-  void copy_from_host(void* dst, const void* src, size_t bytes) override {
-    cuda::copy_host_to_device(index_, dst, src, bytes);
+  size_t alignment() const noexcept override { return arena_.alignment(); }
+  void* allocate(size_t bytes) override { return arena_.allocate(bytes); }
+  void deallocate(void* ptr, const DeviceEvent& after) noexcept override { arena_.deallocate(ptr, after); }
+  void set_capacity(uint64_t bytes) override { arena_.set_capacity(bytes); }
+  void trim(uint64_t keep) override { arena_.trim(keep); }
+  DeviceArenaStats arena_stats() const override { return arena_.stats(); }
+  DeviceEvent copy_from_host_async(void* dst, const void* src, size_t bytes, const DeviceEvent& after) override {
+    return cuda::copy_async(index_, dst, src, bytes, /*to_device=*/true, after);
   }
-  void copy_to_host(void* dst, const void* src, size_t bytes) override {
-    cuda::copy_device_to_host(index_, dst, src, bytes);
+  DeviceEvent copy_to_host_async(void* dst, const void* src, size_t bytes, const DeviceEvent& after) override {
+    return cuda::copy_async(index_, dst, src, bytes, /*to_device=*/false, after);
   }
   void fill_zero(void* ptr, size_t bytes) override { cuda::device_memset_zero(index_, ptr, bytes); }
+  DeviceEvent compute_event() override { return cuda::record_compute(index_); }
+  void compute_wait(const DeviceEvent& event) override { cuda::compute_wait(index_, event); }
   bool host_accessible() const noexcept override { return false; }
 
  private:
+  static constexpr size_t kAlignment = 4096;  // beyond cudaMalloc's 256: the staging blocks' O_DIRECT size
+
   int index_;
   std::string device_name_;
+  DeviceArena arena_;
 };
 
 }  // namespace
+
+void DeviceMemory::copy_from_host(void* dst, const void* src, size_t bytes, const DeviceEvent& after) {
+  copy_from_host_async(dst, src, bytes, after).synchronize();
+}
+
+void DeviceMemory::copy_to_host(void* dst, const void* src, size_t bytes, const DeviceEvent& after) {
+  copy_to_host_async(dst, src, bytes, after).synchronize();
+}
 
 std::unique_ptr<DeviceMemory> make_emulated_device_memory() { return std::make_unique<EmulatedDeviceMemory>(); }
 

@@ -4,7 +4,9 @@
 #include <cuda_runtime_api.h>
 
 #include <map>
+#include <memory>
 #include <mutex>
+#include <string>
 #if defined(STRATA_HAVE_NCCL)
 #include <nccl.h>
 #endif
@@ -93,8 +95,8 @@ void device_free(int device, void* ptr) noexcept {
 
 namespace {
 
-// One stream per direction and device, so uploads and downloads overlap; each
-// copy waits on an event of its own, so several threads can share a stream.
+// One stream per direction and device, so uploads and downloads overlap with
+// each other and with compute (Note [Copy streams and events]).
 cudaStream_t direction_stream(int device, bool to_device) {
   static std::mutex mu;
   static std::map<std::pair<int, bool>, cudaStream_t> streams;
@@ -106,33 +108,82 @@ cudaStream_t direction_stream(int device, bool to_device) {
   return s;
 }
 
-void copy_on_stream(int device, void* dst, const void* src, size_t bytes, bool to_device) {
-  STRATA_CUDA_CHECK(cudaSetDevice(device), "selecting CUDA device ", device);
-  cudaStream_t stream = direction_stream(device, to_device);
-  cudaEvent_t done = nullptr;
-  STRATA_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), "creating a copy event");
-  const cudaError_t copy = cudaMemcpyAsync(dst, src, bytes, to_device ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost,
-                                           stream);
-  const cudaError_t record = copy == cudaSuccess ? cudaEventRecord(done, stream) : copy;
-  const cudaError_t sync = record == cudaSuccess ? cudaEventSynchronize(done) : record;
-  cudaEventDestroy(done);
-  STRATA_CUDA_CHECK(sync, "copying ", bytes, to_device ? " bytes host -> cuda:" : " bytes cuda:", device,
-                    to_device ? "" : " -> host");
+// A recorded cudaEvent_t; destroyed with the last DeviceEvent that holds it.
+class CudaEvent final : public DeviceEvent::Impl {
+ public:
+  CudaEvent(int device, std::string what) : device_(device), what_(std::move(what)) {
+    STRATA_CUDA_CHECK(cudaSetDevice(device_), "selecting CUDA device ", device_);
+    STRATA_CUDA_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming), "creating an event for ", what_);
+  }
+  ~CudaEvent() override {
+    if (event_ != nullptr) cudaEventDestroy(event_);
+  }
+  CudaEvent(const CudaEvent&) = delete;
+  CudaEvent& operator=(const CudaEvent&) = delete;
+
+  void record(cudaStream_t stream) const {
+    STRATA_CUDA_CHECK(cudaEventRecord(event_, stream), "recording the event of ", what_);
+  }
+  bool query() const override {
+    const cudaError_t err = cudaEventQuery(event_);
+    if (err == cudaErrorNotReady) return false;
+    if (err != cudaSuccess) cudaGetLastError();
+    return true;  // complete, or failed: either way nothing more will happen
+  }
+  void synchronize() const override {
+    STRATA_CUDA_CHECK(cudaEventSynchronize(event_), what_, " on cuda:", device_);
+  }
+  cudaEvent_t get() const { return event_; }
+
+ private:
+  int device_;
+  std::string what_;
+  cudaEvent_t event_ = nullptr;
+};
+
+// Makes `stream` wait for `after`: in the stream for a CUDA event, on the host
+// for any other kind (there is none on a CUDA device today).
+void stream_wait(cudaStream_t stream, const DeviceEvent& after) {
+  if (!after.pending()) return;
+  if (const auto* e = dynamic_cast<const CudaEvent*>(after.impl())) {
+    STRATA_CUDA_CHECK(cudaStreamWaitEvent(stream, e->get(), 0), "ordering a stream after an event");
+  } else {
+    after.synchronize();
+  }
 }
 
 }  // namespace
 
-void copy_host_to_device(int device, void* dst, const void* src, size_t bytes) {
-  copy_on_stream(device, dst, src, bytes, true);
+DeviceEvent copy_async(int device, void* dst, const void* src, size_t bytes, bool to_device, const DeviceEvent& after) {
+  STRATA_CUDA_CHECK(cudaSetDevice(device), "selecting CUDA device ", device);
+  cudaStream_t stream = direction_stream(device, to_device);
+  stream_wait(stream, after);
+  auto done = std::make_shared<CudaEvent>(
+      device, std::to_string(bytes) + (to_device ? " bytes host -> cuda:" : " bytes cuda:") + std::to_string(device) +
+                  (to_device ? "" : " -> host"));
+  STRATA_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, to_device ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost, stream),
+                    "copying ", bytes, to_device ? " bytes host -> cuda:" : " bytes cuda:", device, to_device ? "" : " -> host");
+  done->record(stream);
+  return DeviceEvent(std::move(done));
 }
 
-void copy_device_to_host(int device, void* dst, const void* src, size_t bytes) {
-  copy_on_stream(device, dst, src, bytes, false);
+DeviceEvent record_compute(int device) {
+  auto e = std::make_shared<CudaEvent>(device, "compute on cuda:" + std::to_string(device));
+  e->record(cudaStreamLegacy);
+  return DeviceEvent(std::move(e));
+}
+
+void compute_wait(int device, const DeviceEvent& event) {
+  if (!event.pending() || event.query()) return;
+  STRATA_CUDA_CHECK(cudaSetDevice(device), "selecting CUDA device ", device);
+  stream_wait(cudaStreamLegacy, event);
 }
 
 void device_memset_zero(int device, void* ptr, size_t bytes) {
   STRATA_CUDA_CHECK(cudaSetDevice(device), "selecting CUDA device ", device);
-  STRATA_CUDA_CHECK(cudaMemset(ptr, 0, bytes), "zeroing ", bytes, " bytes on cuda:", device);
+  cudaStream_t stream = direction_stream(device, true);
+  STRATA_CUDA_CHECK(cudaMemsetAsync(ptr, 0, bytes, stream), "zeroing ", bytes, " bytes on cuda:", device);
+  STRATA_CUDA_CHECK(cudaStreamSynchronize(stream), "zeroing ", bytes, " bytes on cuda:", device);
 }
 
 }  // namespace strata::offload::cuda

@@ -16,8 +16,11 @@ void host_unregister(void*) noexcept {}
 
 void* device_malloc(int, size_t) { STRATA_FAIL("CUDA device memory requested, but strata was built without CUDA"); }
 void device_free(int, void*) noexcept {}
-void copy_host_to_device(int, void*, const void*, size_t) { STRATA_FAIL("strata was built without CUDA"); }
-void copy_device_to_host(int, void*, const void*, size_t) { STRATA_FAIL("strata was built without CUDA"); }
+DeviceEvent copy_async(int, void*, const void*, size_t, bool, const DeviceEvent&) {
+  STRATA_FAIL("strata was built without CUDA");
+}
+DeviceEvent record_compute(int) { STRATA_FAIL("strata was built without CUDA"); }
+void compute_wait(int, const DeviceEvent&) { STRATA_FAIL("strata was built without CUDA"); }
 void device_memset_zero(int, void*, size_t) { STRATA_FAIL("strata was built without CUDA"); }
 
 }  // namespace strata::offload::cuda

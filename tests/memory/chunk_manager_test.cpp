@@ -2,11 +2,15 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <chrono>
 #include <cstdint>
+#include <thread>
 #include <numeric>
 #include <vector>
 
 #include "memory/nvme_fixture.h"
+#include "offload/manual_event.h"
 #include "strata/core/error.h"
 #include "strata/offload/device_memory.h"
 
@@ -411,6 +415,67 @@ TEST(ChunkManager, ReadAndWriteCheckSizes) {
   EXPECT_THROW(mgr.write(ids[0], v.data(), 100), Error);
   EXPECT_THROW(mgr.access(ids[0], Tier::kNvme), Error);
   EXPECT_THROW(mgr.chunk(99), Error);
+}
+
+// The emulated device whose operators are still running when they return, as
+// a GPU's queued kernels are: compute_event() gives an event the test
+// completes. Everything else is the emulated device's.
+class RunningComputeDevice final : public offload::DeviceMemory {
+ public:
+  std::shared_ptr<offload::testing::ManualEvent> running = std::make_shared<offload::testing::ManualEvent>();
+
+  offload::DeviceKind kind() const noexcept override { return inner_->kind(); }
+  std::string name() const override { return inner_->name(); }
+  size_t alignment() const noexcept override { return inner_->alignment(); }
+  void* allocate(size_t bytes) override { return inner_->allocate(bytes); }
+  void deallocate(void* ptr, const offload::DeviceEvent& after) noexcept override { inner_->deallocate(ptr, after); }
+  void set_capacity(uint64_t bytes) override { inner_->set_capacity(bytes); }
+  void trim(uint64_t keep) override { inner_->trim(keep); }
+  offload::DeviceArenaStats arena_stats() const override { return inner_->arena_stats(); }
+  offload::DeviceEvent copy_from_host_async(void* d, const void* s, size_t n, const offload::DeviceEvent& a) override {
+    return inner_->copy_from_host_async(d, s, n, a);
+  }
+  offload::DeviceEvent copy_to_host_async(void* d, const void* s, size_t n, const offload::DeviceEvent& a) override {
+    return inner_->copy_to_host_async(d, s, n, a);
+  }
+  void fill_zero(void* p, size_t n) override { inner_->fill_zero(p, n); }
+  offload::DeviceEvent compute_event() override { return offload::DeviceEvent(running); }
+  void compute_wait(const offload::DeviceEvent& e) override { inner_->compute_wait(e); }
+  bool host_accessible() const noexcept override { return true; }
+
+ private:
+  std::unique_ptr<offload::DeviceMemory> inner_ = offload::make_emulated_device_memory();
+};
+
+// Note [Copy streams and events]: an eviction copies a chunk off the device
+// only after the operators that used it ran, and its memory is not handed to
+// the next chunk before then.
+TEST(ChunkManager, EvictionWaitsForTheLastOperatorThatUsedTheChunk) {
+  auto device = std::make_shared<RunningComputeDevice>();
+  ChunkManagerOptions o = options(kPage, 4 * kPage);
+  o.device = device;
+  ChunkManager mgr(std::move(o));
+  const std::vector<ChunkId> ids = add_chunks(mgr, 2);
+  fill(mgr, ids[0], Tier::kDevice);
+  mgr.transition(ids[0], 0, TensorState::kHold);
+  mgr.transition(ids[0], 0, TensorState::kCompute);
+  auto* payload = static_cast<float*>(mgr.data(ids[0]));
+  mgr.transition(ids[0], 0, TensorState::kHold);  // the operator returned; its kernels are queued
+  std::atomic<bool> brought{false};
+  std::thread next([&] {
+    mgr.access(ids[1], Tier::kDevice);  // evicts ids[0]: one chunk fits
+    brought = true;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  EXPECT_FALSE(brought.load()) << "the eviction did not wait for the operator's event";
+  for (int64_t i = 0; i < kElems; ++i) payload[i] = -1.0f;  // what the queued kernel writes
+  device->running->complete();
+  next.join();
+  EXPECT_TRUE(brought.load());
+  EXPECT_EQ(mgr.chunk(ids[0]).location(), Tier::kHost);
+  EXPECT_EQ(contents(mgr, ids[0]), std::vector<float>(kElems, -1.0f)) << "the host copy misses the kernel's writes";
+  EXPECT_LE(mgr.tier_stats(Tier::kDevice).peak, kPage);
+  EXPECT_LE(device->arena_stats().live, kPage) << "the arena never held more than the budget";
 }
 
 }  // namespace

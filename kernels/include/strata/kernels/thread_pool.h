@@ -2,7 +2,8 @@
 // ThreadPool: the CPU kernels' workers, one per core, bound to their cores
 // through hwloc. parallel_for splits [0, n) into one contiguous range per
 // thread (aligned to `grain` elements), so every thread streams through one
-// long range; the calling thread runs the first range itself.
+// long range; the calling thread runs the first range itself. Callers on
+// several threads take turns: one parallel_for runs at a time.
 
 #include <cstdint>
 #include <functional>

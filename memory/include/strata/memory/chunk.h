@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "strata/offload/device_event.h"
 #include "strata/memory/chunk_layout.h"
 #include "strata/memory/eviction_policy.h"
 #include "strata/memory/tensor_state.h"
@@ -117,6 +118,10 @@ class Chunk {
   std::vector<TensorState> states_;
   int compute_count_ = 0;
   bool busy_ = false;  // part of the move in progress: never an eviction candidate
+  // On the device tier: the compute-stream event of the last operator that
+  // used the payload (Note [Copy streams and events]); copies out of it and
+  // the reuse of its memory wait for it.
+  offload::DeviceEvent last_use_;
   bool shard_ = false;
   bool gathered_ = false;
 };

@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include "strata/offload/device_event.h"
+
 namespace strata::offload::cuda {
 
 struct DeviceInfo {
@@ -42,12 +44,19 @@ std::string format_nccl_version(int version);
 bool host_register(void* ptr, size_t bytes) noexcept;
 void host_unregister(void* ptr) noexcept;
 
-/// Device memory on `device`. allocate throws strata::Error with the decoded
-/// CUDA error; the copies are synchronous (the copy engine adds streams later).
+/// Device memory on `device` (the device arena's segments). device_malloc
+/// throws strata::Error with the decoded CUDA error.
 void* device_malloc(int device, size_t bytes);
 void device_free(int device, void* ptr) noexcept;
-void copy_host_to_device(int device, void* dst, const void* src, size_t bytes);
-void copy_device_to_host(int device, void* dst, const void* src, size_t bytes);
+/// A copy on `device`'s copy stream of its direction (one per direction and
+/// device, non-blocking), after `after` (cudaStreamWaitEvent); the event
+/// completes with the copy (Note [Copy streams and events]).
+DeviceEvent copy_async(int device, void* dst, const void* src, size_t bytes, bool to_device, const DeviceEvent& after);
+/// An event recorded now on the compute stream (the legacy default stream).
+DeviceEvent record_compute(int device);
+/// The compute stream waits for `event` without blocking the host.
+void compute_wait(int device, const DeviceEvent& event);
+/// Zeroes device memory on the host-to-device copy stream, waited for.
 void device_memset_zero(int device, void* ptr, size_t bytes);
 
 }  // namespace strata::offload::cuda
