@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "strata/core/error.h"
+#include "strata/kernels/optim.h"
 #include "strata/parallel/communicator.h"
 
 namespace strata::parallel {
@@ -83,6 +84,43 @@ ReduceFn reduce_fn(ReduceOp op) {
   STRATA_FAIL("unknown reduce op");
 }
 
+// Note [bf16 over Gloo]
+// Gloo has no bf16 type, so bf16 reductions use a reduce function of our own
+// over raw 16-bit words: each pair is widened to fp32, combined and rounded
+// back to bf16 (round to nearest even, as kernels::cast), block by block
+// through kernels::cast. Every partial sum is rounded to bf16, as NCCL's own
+// bf16 reductions do; a sum is the same on every rank, since the blocks meet
+// in the same order everywhere.
+template <ReduceOp Op>
+void reduce_bf16(void* c, const void* a, const void* b, size_t n) {
+  constexpr size_t kBlock = 2048;
+  float fa[kBlock], fb[kBlock];
+  for (size_t at = 0; at < n; at += kBlock) {
+    const size_t len = std::min(kBlock, n - at);
+    const auto* pa = static_cast<const uint16_t*>(a) + at;
+    const auto* pb = static_cast<const uint16_t*>(b) + at;
+    kernels::cast(pa, DType::kBFloat16, fa, DType::kFloat32, static_cast<int64_t>(len));
+    kernels::cast(pb, DType::kBFloat16, fb, DType::kFloat32, static_cast<int64_t>(len));
+    for (size_t i = 0; i < len; ++i) {
+      fa[i] = Op == ReduceOp::kSum ? fa[i] + fb[i] : Op == ReduceOp::kMax ? std::max(fa[i], fb[i]) : std::min(fa[i], fb[i]);
+    }
+    kernels::cast(fa, DType::kFloat32, static_cast<uint16_t*>(c) + at, DType::kBFloat16, static_cast<int64_t>(len));
+  }
+}
+
+ReduceFn reduce_fn_of(DType dtype, ReduceOp op) {
+  switch (dtype) {
+    case DType::kFloat32: return reduce_fn<float>(op);
+    case DType::kFloat16: return reduce_fn<gloo::float16>(op);
+    case DType::kBFloat16:
+      switch (op) {
+        case ReduceOp::kSum: return &reduce_bf16<ReduceOp::kSum>;
+        case ReduceOp::kMax: return &reduce_bf16<ReduceOp::kMax>;
+        case ReduceOp::kMin: return &reduce_bf16<ReduceOp::kMin>;
+      }
+  }
+  STRATA_FAIL("unknown dtype or reduce op");
+}
 
 // See Note [Collectives are issued in order].
 class GlooCommunicator final : public Communicator {
@@ -179,11 +217,10 @@ class GlooCommunicator final : public Communicator {
       o.setTimeout(options_.timeout);
       if (dtype == DType::kFloat32) {
         o.setOutput(static_cast<float*>(buf), count);
-        o.setReduceFunction(reduce_fn<float>(op));
-      } else {
+      } else {  // fp16, or bf16 as 16-bit words (Note [bf16 over Gloo])
         o.setOutput(static_cast<gloo::float16*>(buf), count);
-        o.setReduceFunction(reduce_fn<gloo::float16>(op));
       }
+      o.setReduceFunction(reduce_fn_of(dtype, op));
       gloo::allreduce(o);
     });
   }
@@ -205,7 +242,7 @@ class GlooCommunicator final : public Communicator {
       o.setInput(const_cast<uint8_t*>(static_cast<const uint8_t*>(in)), blocks.size());
       o.setOutput(blocks.data(), blocks.size());
       gloo::alltoall(o);
-      const ReduceFn fn = dtype == DType::kFloat32 ? reduce_fn<float>(op) : reduce_fn<gloo::float16>(op);
+      const ReduceFn fn = reduce_fn_of(dtype, op);
       std::memcpy(out, blocks.data(), count * esize);
       for (int r = 1; r < size_; ++r) fn(out, out, blocks.data() + r * count * esize, count);
     });
@@ -282,8 +319,8 @@ class GlooCommunicator final : public Communicator {
   };
 
   void check_reducible(DType dtype, const std::string& what) const {
-    STRATA_CHECK(dtype == DType::kFloat32 || dtype == DType::kFloat16, what,
-                 ": Gloo reduces fp32 and fp16; cast bf16 to fp32 first");
+    STRATA_CHECK(dtype == DType::kFloat32 || dtype == DType::kFloat16 || dtype == DType::kBFloat16, what,
+                 ": unknown dtype");
   }
   WorkHandle point_to_point(bool send, void* buf, size_t bytes, int peer, uint32_t tag) {
     STRATA_CHECK(peer >= 0 && peer < size_ && peer != rank_, "peer ", peer, " is not another rank of ", size_);

@@ -19,13 +19,16 @@
 //   timeout aborts the NCCL communicator (ncclCommAbort, which also frees
 //   kernels waiting for a dead peer) and fails with an Error naming it; the
 //   communicator is then broken, as the Gloo one.
-// - Dtypes: fp32, fp16 and bf16 (NCCL reduces all three, unlike Gloo).
+// - Dtypes: fp32, fp16 and bf16 (NCCL reduces all three natively).
+// - Buffers: device memory as it is; host memory staged (Note [Host buffers
+//   on NCCL]).
 // - send/recv match by order between a pair of ranks; the tag is checked by
 //   nobody (NCCL has none).
 // Built when CUDA and NCCL are found (STRATA_HAVE_NCCL); it needs a GPU per
 // rank to run, and its test skips without one.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <memory>
@@ -96,10 +99,42 @@ struct NcclState {
   }
 };
 
+// Note [Host buffers on NCCL]
+// NCCL reads and writes device memory. A buffer in host memory (the
+// engine's chunks on the host tier, a vector of flags) goes through a device
+// buffer of the operation's own: the input is copied in on the
+// communicator's stream before the collective, and the result copied back
+// to the host buffer when the operation is waited for (Work::wait), so a
+// dead peer is still a timeout, not a copy that never returns. Device
+// buffers are used as they are.
+struct Staging {
+  void* device = nullptr;   // the operation's device buffer, or null: none needed
+  void* host_out = nullptr;  // where the result goes back
+  size_t out_offset = 0;     // of the result in `device`
+  size_t out_bytes = 0;
+  Staging() = default;
+  Staging(const Staging&) = delete;
+  Staging& operator=(const Staging&) = delete;
+  ~Staging() {
+    if (device != nullptr) cudaFree(device);
+  }
+};
+
+bool on_device(const void* p) {
+  if (p == nullptr) return true;
+  cudaPointerAttributes attr{};
+  if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged;
+}
+
 class NcclWork final : public Work {
  public:
-  NcclWork(std::shared_ptr<NcclState> state, cudaEvent_t event, std::string what)
-      : state_(std::move(state)), event_(event), what_(std::move(what)) {}
+  NcclWork(std::shared_ptr<NcclState> state, cudaEvent_t event, std::string what,
+           std::unique_ptr<Staging> staging = nullptr)
+      : state_(std::move(state)), event_(event), what_(std::move(what)), staging_(std::move(staging)) {}
   ~NcclWork() override {
     if (event_ != nullptr) cudaEventDestroy(event_);
   }
@@ -111,6 +146,16 @@ class NcclWork final : public Work {
       const cudaError_t q = cudaEventQuery(event_);
       if (q == cudaSuccess) {
         done_ = true;
+        if (staging_ && staging_->host_out != nullptr && staging_->out_bytes > 0) {
+          const cudaError_t back = cudaMemcpy(staging_->host_out,
+                                              static_cast<const char*>(staging_->device) + staging_->out_offset,
+                                              staging_->out_bytes, cudaMemcpyDeviceToHost);
+          if (back != cudaSuccess) {
+            done_ = false;
+            return fail(fmt::format("copying the result back to host memory: {}", cudaGetErrorString(back)));
+          }
+        }
+        staging_.reset();
         return;
       }
       if (q != cudaErrorNotReady) {
@@ -151,6 +196,7 @@ class NcclWork final : public Work {
   std::shared_ptr<NcclState> state_;
   cudaEvent_t event_ = nullptr;
   std::string what_;
+  std::unique_ptr<Staging> staging_;  // Note [Host buffers on NCCL]
   bool done_ = false;
   std::string error_;
 };
@@ -188,31 +234,39 @@ class NcclCommunicator final : public Communicator {
   std::string backend() const override { return "nccl"; }
 
   WorkHandle all_reduce(void* buf, size_t count, DType dtype, ReduceOp op) override {
-    return enqueue(fmt::format("all_reduce ({}) of {} {}", reduce_op_name(op), count, dtype_name(dtype)), [&](ncclComm_t c, cudaStream_t st) {
-      return ncclAllReduce(buf, buf, count, nccl_dtype(dtype), nccl_op(op), c, st);
+    const size_t bytes = count * dtype_size(dtype);
+    return enqueue(fmt::format("all_reduce ({}) of {} {}", reduce_op_name(op), count, dtype_name(dtype)),
+                   buf, bytes, buf, bytes, /*in_place=*/true, [&](const void* in, void* out, ncclComm_t c, cudaStream_t st) {
+      return ncclAllReduce(in, out, count, nccl_dtype(dtype), nccl_op(op), c, st);
     });
   }
   WorkHandle reduce_scatter(const void* in, void* out, size_t count, DType dtype, ReduceOp op) override {
+    const size_t bytes = count * dtype_size(dtype);
     return enqueue(fmt::format("reduce_scatter ({}) of {} x {} {}", reduce_op_name(op), world_size(), count, dtype_name(dtype)),
-                   [&](ncclComm_t c, cudaStream_t st) {
-                     return ncclReduceScatter(in, out, count, nccl_dtype(dtype), nccl_op(op), c, st);
+                   in, bytes * world_size(), out, bytes, false, [&](const void* i, void* o, ncclComm_t c, cudaStream_t st) {
+                     return ncclReduceScatter(i, o, count, nccl_dtype(dtype), nccl_op(op), c, st);
                    });
   }
   WorkHandle all_gather(const void* in, void* out, size_t count, DType dtype) override {
+    const size_t bytes = count * dtype_size(dtype);
     return enqueue(fmt::format("all_gather of {} x {} {}", world_size(), count, dtype_name(dtype)),
-                   [&](ncclComm_t c, cudaStream_t st) { return ncclAllGather(in, out, count, nccl_dtype(dtype), c, st); });
+                   in, bytes, out, bytes * world_size(), false, [&](const void* i, void* o, ncclComm_t c, cudaStream_t st) {
+                     return ncclAllGather(i, o, count, nccl_dtype(dtype), c, st);
+                   });
   }
   WorkHandle broadcast(void* buf, size_t count, DType dtype, int root) override {
     STRATA_CHECK(root >= 0 && root < world_size(), "broadcast root ", root, " is not a rank of ", world_size());
+    const size_t bytes = count * dtype_size(dtype);
     return enqueue(fmt::format("broadcast from rank {} of {} {}", root, count, dtype_name(dtype)),
-                   [&](ncclComm_t c, cudaStream_t st) {
-                     return ncclBroadcast(buf, buf, count, nccl_dtype(dtype), root, c, st);
+                   buf, bytes, buf, bytes, true, [&](const void* i, void* o, ncclComm_t c, cudaStream_t st) {
+                     return ncclBroadcast(i, o, count, nccl_dtype(dtype), root, c, st);
                    });
   }
-  WorkHandle all_to_all(const void* in, void* out, size_t count, DType dtype) override {
+  WorkHandle all_to_all(const void* in_buf, void* out_buf, size_t count, DType dtype) override {
     const size_t bytes = count * dtype_size(dtype);
     return enqueue(fmt::format("all_to_all of {} x {} {}", world_size(), count, dtype_name(dtype)),
-                   [&](ncclComm_t c, cudaStream_t st) {
+                   in_buf, bytes * world_size(), out_buf, bytes * world_size(), false,
+                   [&](const void* in, void* out, ncclComm_t c, cudaStream_t st) {
                      ncclResult_t r = ncclGroupStart();
                      for (int peer = 0; peer < world_size() && r == ncclSuccess; ++peer) {
                        r = ncclSend(static_cast<const char*>(in) + peer * bytes, count, nccl_dtype(dtype), peer, c, st);
@@ -226,22 +280,27 @@ class NcclCommunicator final : public Communicator {
   }
   WorkHandle send(const void* buf, size_t bytes, int peer, uint32_t tag) override {
     check_peer(peer);
-    return enqueue(fmt::format("send of {} bytes to rank {} (tag {})", bytes, peer, tag),
-                   [&](ncclComm_t c, cudaStream_t st) { return ncclSend(buf, bytes, ncclUint8, peer, c, st); });
+    return enqueue(fmt::format("send of {} bytes to rank {} (tag {})", bytes, peer, tag), buf, bytes, nullptr, 0, false,
+                   [&](const void* in, void*, ncclComm_t c, cudaStream_t st) {
+                     return ncclSend(in, bytes, ncclUint8, peer, c, st);
+                   });
   }
   WorkHandle recv(void* buf, size_t bytes, int peer, uint32_t tag) override {
     check_peer(peer);
-    return enqueue(fmt::format("recv of {} bytes from rank {} (tag {})", bytes, peer, tag),
-                   [&](ncclComm_t c, cudaStream_t st) { return ncclRecv(buf, bytes, ncclUint8, peer, c, st); });
+    return enqueue(fmt::format("recv of {} bytes from rank {} (tag {})", bytes, peer, tag), nullptr, 0, buf, bytes,
+                   false, [&](const void*, void* out, ncclComm_t c, cudaStream_t st) {
+                     return ncclRecv(out, bytes, ncclUint8, peer, c, st);
+                   });
   }
   WorkHandle barrier() override {
     if (scratch_ == nullptr) {
       STRATA_CUDA_OK(cudaSetDevice(state_->device));
       STRATA_CUDA_OK(cudaMalloc(&scratch_, sizeof(float)));
     }
-    return enqueue("barrier", [&](ncclComm_t c, cudaStream_t st) {
-      return ncclAllReduce(scratch_, scratch_, 1, ncclFloat32, ncclSum, c, st);
-    });
+    return enqueue("barrier", scratch_, sizeof(float), scratch_, sizeof(float), true,
+                   [&](const void* in, void* out, ncclComm_t c, cudaStream_t st) {
+                     return ncclAllReduce(in, out, 1, ncclFloat32, ncclSum, c, st);
+                   });
   }
 
   std::unique_ptr<Communicator> split(const std::vector<int>& ranks, const std::string& name) override {
@@ -282,20 +341,43 @@ class NcclCommunicator final : public Communicator {
                  world_size());
   }
 
+  // Issues fn(in, out) on the communicator's stream, with host buffers
+  // staged through a device buffer (Note [Host buffers on NCCL]). `in` is
+  // read (in_bytes), `out` written (out_bytes); in place, they are the same.
   template <typename Fn>
-  WorkHandle enqueue(const std::string& what, Fn fn) {
+  WorkHandle enqueue(const std::string& what, const void* in, size_t in_bytes, void* out, size_t out_bytes,
+                     bool in_place, Fn fn) {
     std::lock_guard<std::mutex> lock(state_->mu);
     STRATA_CHECK(state_->broken.empty(), what, ": ", state_->broken, " on rank ", state_->rank, " of ",
                  state_->size);
     STRATA_CUDA_OK(cudaSetDevice(state_->device));
-    const ncclResult_t r = fn(state_->comm, state_->stream);
+    std::unique_ptr<Staging> staging;
+    const bool stage_in = in_bytes > 0 && !on_device(in), stage_out = out_bytes > 0 && !on_device(out);
+    if (stage_in || stage_out) {
+      staging = std::make_unique<Staging>();
+      const size_t in_room = in_place ? 0 : (in_bytes + 255) / 256 * 256;
+      STRATA_CUDA_OK(cudaMalloc(&staging->device, std::max<size_t>(in_room + std::max(in_bytes, out_bytes), 1)));
+      char* dev_in = static_cast<char*>(staging->device);
+      char* dev_out = dev_in + in_room;
+      if (stage_in) {
+        STRATA_CUDA_OK(cudaMemcpyAsync(dev_in, in, in_bytes, cudaMemcpyHostToDevice, state_->stream));
+        in = dev_in;
+      }
+      if (stage_out) {
+        staging->host_out = out;
+        staging->out_offset = in_room;
+        staging->out_bytes = out_bytes;
+        out = dev_out;
+      }
+    }
+    const ncclResult_t r = fn(in, out, state_->comm, state_->stream);
     STRATA_CHECK(r == ncclSuccess || r == ncclInProgress, what, " on rank ", state_->rank, " of ", state_->size,
                  " could not be issued: ", ncclGetErrorString(r));
     if (r == ncclInProgress) settle(what);
     cudaEvent_t event = nullptr;
     STRATA_CUDA_OK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
     STRATA_CUDA_OK(cudaEventRecord(event, state_->stream));
-    return std::make_shared<NcclWork>(state_, event, what);
+    return std::make_shared<NcclWork>(state_, event, what, std::move(staging));
   }
 
   std::shared_ptr<Communicator> bootstrap_;

@@ -149,6 +149,33 @@ int main(int argc, char** argv) {
         for (int r = 0; r < world; ++r) sum += value(r, rank * n + i);
         expect(out[i] == sum, "reduce_scatter" + at);
       }
+      // bf16 (Note [bf16 over Gloo]): integers below 256, exact in bf16 and in every partial sum.
+      const auto whole = [](int r, size_t i) { return static_cast<float>((r * 131 + static_cast<int>(i % 1000) * 7) % 97 - 48); };
+      const auto bf16 = [](float f) {  // exact for the integers above
+        uint32_t x;
+        std::memcpy(&x, &f, 4);
+        return static_cast<uint16_t>(x >> 16);
+      };
+      const auto from_bf16 = [](uint16_t h) {
+        const uint32_t x = static_cast<uint32_t>(h) << 16;
+        float f;
+        std::memcpy(&f, &x, 4);
+        return f;
+      };
+      std::vector<uint16_t> bs(n), bm(n), bin(n * world), bout(n, 0xffff);
+      for (size_t i = 0; i < n; ++i) bs[i] = bm[i] = bf16(whole(rank, i));
+      for (size_t i = 0; i < bin.size(); ++i) bin[i] = bf16(whole(rank, i));
+      auto b1 = comm->all_reduce(bs.data(), n, DType::kBFloat16, ReduceOp::kSum);
+      auto b2 = comm->all_reduce(bm.data(), n, DType::kBFloat16, ReduceOp::kMax);
+      auto b3 = comm->reduce_scatter(bin.data(), bout.data(), n, DType::kBFloat16);
+      b1->wait(), b2->wait(), b3->wait();
+      for (size_t i = 0; i < n; ++i) {
+        float sum = 0, hi = -1e30f, block = 0;
+        for (int r = 0; r < world; ++r) sum += whole(r, i), hi = std::max(hi, whole(r, i)), block += whole(r, rank * n + i);
+        expect(from_bf16(bs[i]) == sum, "all_reduce bf16 sum" + at);
+        expect(from_bf16(bm[i]) == hi, "all_reduce bf16 max" + at);
+        expect(from_bf16(bout[i]) == block, "reduce_scatter bf16" + at);
+      }
       // all_gather, broadcast, all_to_all.
       std::vector<float> mine(n), all(n * world, -1.0f);
       for (size_t i = 0; i < n; ++i) mine[i] = value(rank, i);

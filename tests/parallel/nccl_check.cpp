@@ -1,6 +1,6 @@
 // Run by the tests through `strata run -n N`: every NCCL collective on device
-// buffers against the same collective by Gloo on host copies of the same
-// random data. Exits 77 (skipped) without a GPU for every rank.
+// buffers (and on host buffers, staged) against the same collective by Gloo
+// on host copies of the same random data. Exits 77 (skipped) without a GPU for every rank.
 #include <cuda_runtime.h>
 
 #include <cstdio>
@@ -97,6 +97,13 @@ int main() {
       din.put(in);
       nccl->all_to_all(din.ptr, dout.ptr, count, DType::kFloat32)->wait();
       expect_equal(dout.get(count * n), a2a, "all_to_all");
+      // Host buffers, staged through device memory (Note [Host buffers on NCCL]): the engine's host chunks.
+      std::vector<float> host = in;
+      nccl->all_reduce(host.data(), host.size(), DType::kFloat32)->wait();
+      expect_equal(host, ref, "all_reduce of a host buffer");
+      std::vector<float> host_rs(count, -1.0f);
+      nccl->reduce_scatter(in.data(), host_rs.data(), count, DType::kFloat32)->wait();
+      expect_equal(host_rs, rs, "reduce_scatter between host buffers");
       nccl->barrier()->wait();
     }
     std::printf("rank %d: NCCL collectives match Gloo on %d ranks\n", rank, n);

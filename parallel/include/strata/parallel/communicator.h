@@ -71,7 +71,7 @@ class Communicator {
   virtual std::string backend() const = 0;
 
   /// In place: `count` elements of `buf` become the reduction over ranks.
-  /// Reductions take fp32 and fp16.
+  /// Reductions take fp32, fp16 and bf16 (Gloo: Note [bf16 over Gloo]).
   virtual WorkHandle all_reduce(void* buf, size_t count, DType dtype, ReduceOp op = ReduceOp::kSum) = 0;
   /// `in` holds world_size blocks of `count` elements; block r of the
   /// reduction over ranks lands in rank r's `out` (`count` elements).
