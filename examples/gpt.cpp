@@ -498,7 +498,7 @@ int run(int argc, char** argv) {
   double first_loss = 0, avg = 0, last = 0;
   for (int step = first_step; step <= steps; ++step) {
     const auto [full_x, full_y] = strata::examples::sample_batch(corpus, batch, mc.context);
-    const torch::Tensor x = my_positions(full_x), y = my_positions(full_y);
+    const torch::Tensor x = engine->to_device(my_positions(full_x)), y = engine->to_device(my_positions(full_y));
     const auto r = engine->train_step([&] { return loss_of(x, y); });
     if (print_losses) {
       spp::Communicator* everyone = tp_world ? tp_world.get() : comm.get();
@@ -553,9 +553,9 @@ int run(int argc, char** argv) {
   if (seq_ranks == 1 && !grid_model && !tp_sequence && sample_tokens > 0) {
     torch::Tensor idx = corpus.slice(0, 0, 8).unsqueeze(0);
     for (int i = 0; i < sample_tokens; ++i) {
-      const torch::Tensor ctx = idx.slice(1, std::max<int64_t>(0, idx.size(1) - mc.context));
+      const torch::Tensor ctx = engine->to_device(idx.slice(1, std::max<int64_t>(0, idx.size(1) - mc.context)));
       const torch::Tensor logits = engine->run([&] { return model->forward(ctx).select(1, -1).to(torch::kFloat32); });
-      idx = torch::cat({idx, torch::multinomial(torch::softmax(logits, -1), 1)}, 1);
+      idx = torch::cat({idx, torch::multinomial(torch::softmax(logits, -1), 1).to(torch::kCPU)}, 1);
     }
     std::string sample;
     for (int64_t i = 0; i < idx.size(1); ++i) {

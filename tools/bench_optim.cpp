@@ -13,6 +13,7 @@
 
 #include "bench_timing.h"
 #include "bench_torch.h"
+#include "bench_optim_cuda.h"
 #include "commands.h"
 #include "strata/core/bytes.h"
 #include "strata/core/error.h"
@@ -32,6 +33,7 @@ struct OptimBenchOptions {
   int iters = 7;
   bool json = false;
   bool torch_baseline = true;
+  bool cuda = false;  // also the CUDA kernels (bench_optim_cuda.h)
 };
 
 // Median seconds of `a` and of `b` over `iters` alternating runs after a
@@ -162,9 +164,22 @@ void run_optim_bench(const OptimBenchOptions& o) {
     const double norm = std::sqrt(total.sum_sq) / loss_scale;
     update_all(kernels::clip_coefficient(norm, 1.0) / loss_scale);
   });
+  std::vector<CudaOptimRow> cuda_rows;
+  if (o.cuda) {
+#if defined(STRATA_HAVE_CUDA_KERNELS)
+    cuda_rows = run_cuda_optim_rows(o.params, o.iters);
+#else
+    STRATA_FAIL("bench optim --cuda: this strata was built without its CUDA kernels (no CUDA toolkit at build time)");
+#endif
+  }
   if (o.json) {
     nlohmann::json j;
     j["params"] = o.params;
+    for (const CudaOptimRow& r : cuda_rows) {
+      j["cuda_rows"].push_back({{"optimizer", r.optimizer}, {"grad", r.grad}, {"param", r.param},
+                                {"params_per_s", r.params_per_s}, {"gbps", r.gbps}, {"probe_gbps", r.probe_gbps},
+                                {"ratio_to_probe", r.ratio}});
+    }
     j["isa"] = kernels::isa_name(kernels::selected_isa());
     for (const Row& r : rows) {
       j["rows"].push_back({{"optimizer", r.optimizer}, {"grad", r.grad}, {"param", r.param}, {"threads", r.threads},
@@ -179,6 +194,16 @@ void run_optim_bench(const OptimBenchOptions& o) {
                chunks, per_chunk, o.threads.back());
     fmt::print("  update alone {:.2f} ms; norm + overflow check + unscale + clip + update {:.2f} ms; ratio {:.3f}x\n",
                1e3 * t_update, 1e3 * t_phase, t_phase / t_update);
+    if (!cuda_rows.empty()) {
+      fmt::print("\nCUDA kernels on GPU 0, {} parameters, against a device-to-device copy of the same bytes:\n",
+                 o.params);
+      fmt::print("{:<7} {:>5} {:>5} {:>11} {:>9} {:>10} {:>8}\n", "optim", "grad", "param", "Gparams/s", "GB/s",
+                 "probe GB/s", "ratio");
+      for (const CudaOptimRow& r : cuda_rows) {
+        fmt::print("{:<7} {:>5} {:>5} {:>11.3f} {:>9.1f} {:>10.1f} {:>7.1f}%\n", r.optimizer, r.grad, r.param,
+                   r.params_per_s / 1e9, r.gbps, r.probe_gbps, 100 * r.ratio);
+      }
+    }
   }
 }
 
@@ -207,6 +232,7 @@ void add_bench_command(CLI::App& app) {
   optim->add_option("--iters", o->iters, "timed runs per figure (median reported)")->check(CLI::PositiveNumber);
   optim->add_flag("--json", o->json, "print one JSON document");
   optim->add_flag("!--no-torch", o->torch_baseline, "skip the torch::optim::AdamW baseline");
+  optim->add_flag("--cuda", o->cuda, "also the CUDA kernels on GPU 0 against a device-to-device copy of the same bytes");
   optim->callback([o, size] {
     std::string s = *size;
     if (!s.empty() && (s.back() == 'M' || s.back() == 'K')) s += "iB";  // element counts use binary multiples

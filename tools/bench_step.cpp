@@ -33,6 +33,7 @@
 #include "gpt_model.h"
 #include "strata/core/bytes.h"
 #include "strata/core/error.h"
+#include "strata/offload/device_memory.h"
 #include "strata/parallel/engine.h"
 #if defined(STRATA_HAVE_GLOO)
 #include "strata/parallel/communicator.h"
@@ -54,6 +55,9 @@ struct StepBenchOptions {
   std::string precision = "fp32";
   std::string nvme_dir;
   bool json = false;
+  // Where operators run: "auto" (a GPU when one is usable), "cuda" or "emulated"
+  // (the CPU, the device tier emulated in host memory). Sets STRATA_DEVICE.
+  std::string device = "auto";
   int ranks = 1;       // -n: > 1 compares the ZeRO stages over that many local ranks
   std::string output;  // inside a rank: where rank 0 writes its report
 };
@@ -86,28 +90,39 @@ uint64_t total(const std::array<std::array<uint64_t, mem::kNumTiers>, mem::kNumT
 
 using Batches = std::vector<std::pair<torch::Tensor, torch::Tensor>>;
 
+// Where the engines below compute (STRATA_DEVICE, set from --device), so the
+// baseline runs there too.
+torch::Device compute_device() {
+  const std::unique_ptr<offload::DeviceMemory> dev = offload::make_device_memory();
+  return dev->kind() == offload::DeviceKind::kCuda ? torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(dev->index()))
+                                                   : torch::Device(torch::kCPU);
+}
+
 // Median step time of plain LibTorch: AdamW over resident parameters, with
 // the same clipping as the engine.
 Row run_baseline(const GptConfig& mc, const Batches& data, const StepBenchOptions& o) {
   torch::manual_seed(0);
   Gpt model(mc);
+  const torch::Device device = compute_device();
+  model->to(device);
   parallel::AdamWConfig cfg;
   torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(cfg.lr).weight_decay(cfg.weight_decay));
   std::vector<double> times;
   Row r;
   for (size_t i = 0; i < data.size(); ++i) {
+    const torch::Tensor x = data[i].first.to(device), y = data[i].second.to(device);
     const double t = seconds([&] {
       opt.zero_grad();
-      torch::Tensor loss = model->loss(data[i].first, data[i].second);
+      torch::Tensor loss = model->loss(x, y);
       loss.backward();
       torch::nn::utils::clip_grad_norm_(model->parameters(), 1.0);
       opt.step();
-      r.loss = loss.item<double>();
+      r.loss = loss.item<double>();  // waits for the device
     });
     if (static_cast<int>(i) >= o.warmup) times.push_back(t);
   }
   r.params = examples::count_parameters(*model);
-  r.config = "plain LibTorch";
+  r.config = device.is_cuda() ? "plain LibTorch, all on the GPU" : "plain LibTorch";
   r.step_ms = median(times) * 1e3;
   return r;
 }
@@ -150,6 +165,8 @@ Row run_strata(const GptConfig& mc, const Batches& data, const StepBenchOptions&
     int64_t collectives_before = 0, gathers_before = 0;
     parallel::Engine::DataWait wait_before;
     for (size_t i = 0; i < data.size(); ++i) {
+      // Inputs where the module computes (Engine::to_device), as a user places them.
+      const torch::Tensor x = engine->to_device(data[i].first), y = engine->to_device(data[i].second);
       if (static_cast<int>(i) == o.warmup) {
         moved_before = total(engine->move_stats().bytes);
         demand_before = total(engine->move_stats().demand_bytes);
@@ -158,7 +175,7 @@ Row run_strata(const GptConfig& mc, const Batches& data, const StepBenchOptions&
         gathers_before = engine->parameter_gathers();
       }
       const double t = seconds(
-          [&] { r.loss = engine->train_step([&] { return model->loss(data[i].first, data[i].second); }).loss; });
+          [&] { r.loss = engine->train_step([&] { return model->loss(x, y); }).loss; });
       if (static_cast<int>(i) >= o.warmup) times.push_back(t);
     }
     r.moved_per_step = (total(engine->move_stats().bytes) - moved_before) / times.size();
@@ -190,9 +207,11 @@ Batches make_batches(const GptConfig& mc, const StepBenchOptions& o, int seed) {
 void run_step_bench(const StepBenchOptions& o) {
   STRATA_CHECK(o.steps >= 1 && o.warmup >= 0, "--steps must be at least 1 and --warmup at least 0");
   std::vector<Row> rows;
+  const torch::Device device = compute_device();
   if (!o.json) {
-    fmt::print("strata bench step: examples/gpt's model, batch {} x context {}, median of {} steps after {} warm-up\n",
-               o.batch, o.context, o.steps, o.warmup);
+    fmt::print("strata bench step: examples/gpt's model, batch {} x context {}, median of {} steps after {} warm-up, "
+               "operators on {}\n",
+               o.batch, o.context, o.steps, o.warmup, device.is_cuda() ? "the GPU" : "the CPU (device tier emulated)");
     fmt::print("{:<8} {:>10} {:<46} {:>12} {:>10} {:>8} {:>12} {:>12} {:>9}\n", "size", "params", "configuration",
                "device", "step ms", "ratio", "moved/step", "on demand", "wait ms");
   }
@@ -236,6 +255,7 @@ void run_step_bench(const StepBenchOptions& o) {
                    {"last_loss", r.loss}});
     }
     fmt::print("{}\n", nlohmann::json{{"benchmark", "step"},
+                                      {"device", device.str()},
                                       {"batch", o.batch},
                                       {"context", o.context},
                                       {"steps", o.steps},
@@ -346,11 +366,14 @@ void add_bench_step_command(CLI::App& bench) {
   cmd->add_option("--context", o->context)->check(CLI::PositiveNumber);
   cmd->add_option("--precision", o->precision, "fp32, bf16 or fp16 for the strata rows");
   cmd->add_option("--nvme-dir", o->nvme_dir, "directory for the NVMe row's files (removed after)");
+  cmd->add_option("--device", o->device, "auto (a GPU when one is usable), cuda or emulated (the CPU)")
+      ->check(CLI::IsMember({"auto", "cuda", "emulated"}));
   cmd->add_flag("--json", o->json, "print one JSON document");
   cmd->add_option("-n,--ranks", o->ranks, "compare ZeRO stages 0-3 data parallel over this many local ranks")
       ->check(CLI::PositiveNumber);
   cmd->add_option("--output", o->output, "(inside the ranks of -n) where rank 0 writes its report");
   cmd->callback([o] {
+    ::setenv("STRATA_DEVICE", o->device.c_str(), 1);  // the device tier of every engine below, and the baseline's
     try {
       if (o->ranks > 1) {
 #if defined(STRATA_HAVE_GLOO)

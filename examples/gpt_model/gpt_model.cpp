@@ -20,6 +20,20 @@ GptBlockImpl::GptBlockImpl(int dim, int heads_) : heads(heads_) {
   down = register_module("down", torch::nn::Linear(4 * dim, dim));
 }
 
+namespace {
+
+// Made where the activations are: the GPU under CUDA (Engine::device()), so
+// the model runs unchanged on a GPU and on the CPU.
+torch::Tensor causal_mask(int64_t t, const torch::Device& device) {
+  return torch::ones({t, t}, torch::TensorOptions().dtype(torch::kBool).device(device)).triu(1);
+}
+
+torch::Tensor positions_of(int64_t t, const torch::Device& device) {
+  return torch::arange(t, torch::TensorOptions().dtype(torch::kLong).device(device));
+}
+
+}  // namespace
+
 torch::Tensor GptBlockImpl::forward(torch::Tensor x, const torch::Tensor& mask) {
   // Heads and positions counted from the tensors: under tensor parallelism
   // (the plan gpt_tensor_parallel_plan) qkv's output holds this rank's heads
@@ -85,8 +99,9 @@ GptImpl::GptImpl(const GptConfig& c) : config(c) {
 
 torch::Tensor GptImpl::forward(const torch::Tensor& idx) {
   const int64_t t = idx.size(1);
-  const torch::Tensor mask = torch::ones({t, t}, torch::kBool).triu(1);
-  torch::Tensor x = tok->forward(idx) + pos->forward(config.positions ? config.positions(t) : torch::arange(t));
+  const torch::Tensor mask = causal_mask(t, idx.device());
+  torch::Tensor x =
+      tok->forward(idx) + pos->forward(config.positions ? config.positions(t).to(idx.device()) : positions_of(t, idx.device()));
   for (const auto& m : *blocks) x = run_block(m->as<GptBlockImpl>(), x, mask, config.checkpoint_blocks, config.offload_blocks);
   if (head) return head->forward(ln->forward(x));
   return torch::nn::functional::linear(ln->forward(x), tok->weight);  // output tied to the input embedding
@@ -104,7 +119,9 @@ struct GptEmbeddingImpl : torch::nn::Module {
     tok = register_module("tok", torch::nn::Embedding(vocab, dim));
     pos = register_module("pos", torch::nn::Embedding(context, dim));
   }
-  torch::Tensor forward(const torch::Tensor& idx) { return tok->forward(idx) + pos->forward(torch::arange(idx.size(1))); }
+  torch::Tensor forward(const torch::Tensor& idx) {
+    return tok->forward(idx) + pos->forward(positions_of(idx.size(1), idx.device()));
+  }
 };
 TORCH_MODULE(GptEmbedding);
 
@@ -117,7 +134,7 @@ struct GptStageBlockImpl : torch::nn::Module {
   }
   torch::Tensor forward(const torch::Tensor& x) {
     const int64_t t = x.size(1);
-    return run_block(block.get(), x, torch::ones({t, t}, torch::kBool).triu(1), checkpointed, offloaded);
+    return run_block(block.get(), x, causal_mask(t, x.device()), checkpointed, offloaded);
   }
 };
 TORCH_MODULE(GptStageBlock);
@@ -227,8 +244,8 @@ torch::Tensor GptGridImpl::loss(const torch::Tensor& x_all, const torch::Tensor&
   using strata::parallel::Side3D;
   const torch::Tensor x = grid ? grid->split_batch(x_all) : cube->split_batch(x_all, Side3D::kA);
   const int64_t t = x.size(1);
-  const torch::Tensor mask = torch::ones({t, t}, torch::kBool).triu(1);
-  torch::Tensor h = tok.forward(x) + pos.forward(torch::arange(t));
+  const torch::Tensor mask = causal_mask(t, x.device());
+  torch::Tensor h = tok.forward(x) + pos.forward(positions_of(t, x.device()));
   for (Block& blk : blocks) {
     auto parts = blk.qkv.forward(blk.ln1.forward(h)).chunk(3, -1);  // this rank's heads of q, k and v
     auto split = [&](const torch::Tensor& y) { return y.reshape({y.size(0), t, -1, head_dim}).transpose(1, 2); };

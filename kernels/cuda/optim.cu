@@ -60,6 +60,43 @@ __global__ void adam_kernel(AdamLaunch args) {
   }
 }
 
+// Lion and SGD: the CPU kernels' arithmetic (cpu/optim_impl.h), one span per launch.
+template <class G, class P>
+__global__ void lion_kernel(DeviceSpans c, float lr, float beta1, float beta2, float decay, float grad_scale) {
+  const G* grad = static_cast<const G*>(c.grad);
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < c.n; i += stride) {
+    const float g = to_float(grad[i]) * grad_scale;
+    const float m = c.exp_avg[i];
+    const float u = fmaf(beta1, m, (1.0f - beta1) * g);
+    const float sign = u > 0.0f ? 1.0f : (u < 0.0f ? -1.0f : 0.0f);
+    const float w = c.master[i] * decay - sign * lr;
+    c.exp_avg[i] = fmaf(beta2, m, (1.0f - beta2) * g);
+    c.master[i] = w;
+    if constexpr (!std::is_same_v<P, NoCopy>) static_cast<P*>(c.param_copy)[i] = from_float<P>(w);
+  }
+}
+
+template <class G, class P>
+__global__ void sgd_kernel(DeviceSpans c, float lr, float momentum, float dampening, float weight_decay,
+                           float grad_scale, bool first, bool nesterov) {
+  const G* grad = static_cast<const G*>(c.grad);
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < c.n; i += stride) {
+    float d = to_float(grad[i]) * grad_scale;
+    float w = c.master[i];
+    if (weight_decay != 0.0f) d = fmaf(w, weight_decay, d);
+    if (c.exp_avg != nullptr) {  // the momentum buffer
+      const float b = first ? d : fmaf(momentum, c.exp_avg[i], (1.0f - dampening) * d);
+      c.exp_avg[i] = b;
+      d = nesterov ? fmaf(momentum, b, d) : b;
+    }
+    w = fmaf(-lr, d, w);
+    c.master[i] = w;
+    if constexpr (!std::is_same_v<P, NoCopy>) static_cast<P*>(c.param_copy)[i] = from_float<P>(w);
+  }
+}
+
 template <class G>
 __global__ void stats_kernel(const G* grad, int64_t n, double* sum_sq, int* found_inf) {
   __shared__ float partial[kThreads / 32];
@@ -151,6 +188,31 @@ void multi_tensor_adam(const AdamParams& p, DType grad_dtype, DType param_dtype,
     });
     STRATA_CUDA_CHECK(cudaGetLastError(), "launching the multi-tensor Adam kernel");
   }
+}
+
+void lion_step(const LionParams& p, DType grad_dtype, DType param_dtype, const DeviceSpans& span, Stream stream) {
+  if (span.n == 0) return;
+  const float decay = 1.0f - p.lr * p.weight_decay;
+  with_type(grad_dtype, [&](auto gtag) {
+    with_copy_type(param_dtype, [&](auto ptag) {
+      lion_kernel<decltype(gtag), decltype(ptag)>
+          <<<grid_for(span.n), kThreads, 0, stream>>>(span, p.lr, p.beta1, p.beta2, decay, p.grad_scale);
+    });
+  });
+  STRATA_CUDA_CHECK(cudaGetLastError(), "launching the Lion kernel");
+}
+
+void sgd_step(const SgdParams& p, DType grad_dtype, DType param_dtype, const DeviceSpans& span, Stream stream) {
+  if (span.n == 0) return;
+  DeviceSpans s = span;
+  if (p.momentum == 0.0f) s.exp_avg = nullptr;
+  with_type(grad_dtype, [&](auto gtag) {
+    with_copy_type(param_dtype, [&](auto ptag) {
+      sgd_kernel<decltype(gtag), decltype(ptag)><<<grid_for(s.n), kThreads, 0, stream>>>(
+          s, p.lr, p.momentum, p.dampening, p.weight_decay, p.grad_scale, p.step <= 1, p.nesterov);
+    });
+  });
+  STRATA_CUDA_CHECK(cudaGetLastError(), "launching the SGD kernel");
 }
 
 void cast(const void* src, DType src_dtype, void* dst, DType dst_dtype, int64_t n, Stream stream) {

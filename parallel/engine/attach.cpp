@@ -47,9 +47,6 @@ Engine::Impl::Impl(torch::nn::Module& module, OptimizerConfig optimizer, EngineO
   options.validate();
   optimizer.validate();
   ctx.comm = std::move(comm);
-  STRATA_CHECK(!ctx.data_parallel() || options.precision != DType::kBFloat16,
-               "data parallel training reduces gradients with Gloo, which sums fp32 and fp16 but not bf16; "
-               "use fp32 or fp16 with more than one rank");
   if (!options.init_weights.empty()) import_weights(module, options.init_weights);
   ctx.optimizer = std::move(optimizer);
   ctx.options = options;
@@ -65,9 +62,7 @@ Engine::Impl::Impl(torch::nn::Module& module, OptimizerConfig optimizer, EngineO
     const torch::Tensor& t = item.value();
     if (!seen.insert(t.unsafeGetTensorImpl()).second) continue;
     if (!t.requires_grad()) {
-      frozen.emplace_back(item.key(), t);
-      // Frozen: stays in its own memory, in the compute precision.
-      if (t.is_floating_point() && t.scalar_type() != ctx.compute) casts.push_back({t, t.scalar_type()});
+      frozen.emplace_back(item.key(), t);  // stays in its own memory: Note [Module state on the compute device]
       continue;
     }
     STRATA_CHECK(t.scalar_type() == torch::kFloat32, "parameter ", item.key(), " is ", t.scalar_type(),
@@ -87,9 +82,14 @@ Engine::Impl::Impl(torch::nn::Module& module, OptimizerConfig optimizer, EngineO
   // Buffers and frozen parameters of a lazily constructed module keep memory of their own.
   for (const auto& [name, t] : frozen) materialize(t);
   for (const auto& b : module.buffers(/*recurse=*/true)) materialize(b);
-  for (const auto& b : module.buffers(/*recurse=*/true)) {
-    if (b.is_floating_point() && b.scalar_type() != ctx.compute) casts.push_back({b, b.scalar_type()});
-  }
+  std::unordered_set<const c10::TensorImpl*> placed_once;  // a buffer shared by two modules moves once
+  const auto place = [&](const torch::Tensor& t) {
+    if (!placed_once.insert(t.unsafeGetTensorImpl()).second) return;
+    const bool cast = t.is_floating_point() && t.scalar_type() != ctx.compute;
+    if (cast || t.device() != ctx.device) placed.push_back({t, t.scalar_type(), t.device()});
+  };
+  for (const auto& [name, t] : frozen) place(t);
+  for (const auto& b : module.buffers(/*recurse=*/true)) place(b);
   for (const auto& [name, t] : frozen) module_state.push_back({name, t, t.scalar_type()});
   for (const auto& item : module.named_buffers(/*recurse=*/true)) {
     if (!seen.insert(item.value().unsafeGetTensorImpl()).second) continue;  // a buffer shared by two modules
@@ -125,7 +125,7 @@ Engine::Impl::Impl(torch::nn::Module& module, OptimizerConfig optimizer, EngineO
 
   move_parameters_into_chunks(ctx);
   torch::NoGradGuard no_grad;
-  for (Cast& c : casts) c.tensor.set_data(c.tensor.to(ctx.compute));
+  for (Placed& m : placed) m.tensor.set_data(to_compute(ctx, m.tensor));
 
   if (ctx.stage == 3) op_gathers = std::make_unique<OperatorGathers>(ctx);
   hook = std::make_unique<OpHook>(*this);
@@ -184,7 +184,7 @@ void Engine::Impl::detach() noexcept {
         p.tensor.set_data(owned);
       }
     }
-    for (Cast& c : casts) c.tensor.set_data(c.tensor.to(c.original));
+    for (Placed& m : placed) m.tensor.set_data(m.tensor.to(m.original_device, m.original));
   } catch (const std::exception& e) {
     std::fprintf(stderr, "[strata error] could not give parameters their memory back: %s\n", e.what());
   }

@@ -114,6 +114,10 @@ void EngineContext::settle(std::vector<offload::CopyTicket>& tickets) {
 
 namespace strata::parallel {
 
+torch::Tensor to_compute(const EngineContext& ctx, const torch::Tensor& t) {
+  return t.to(ctx.device, t.is_floating_point() ? ctx.compute : t.scalar_type());
+}
+
 void make_chunk_manager(EngineContext& ctx, std::unique_ptr<memory::EvictionPolicy> policy) {
   const EngineOptions& options = ctx.options;
   memory::ChunkManagerOptions mo;

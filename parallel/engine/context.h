@@ -129,10 +129,15 @@ struct EngineContext {
   /// Pins the given chunks on host for `fn`, unpinning however it ends.
   template <typename Fn>
   void with_on_host(const std::vector<ChunkId>& chunks, Fn fn) {
+    with_on(Tier::kHost, chunks, std::move(fn));
+  }
+  /// The same on `tier` (host or device).
+  template <typename Fn>
+  void with_on(Tier tier, const std::vector<ChunkId>& chunks, Fn fn) {
     std::vector<ChunkId> pinned;
     try {
       for (ChunkId c : chunks) {
-        pin(c, Tier::kHost, all_slots(c));
+        pin(c, tier, all_slots(c));
         pinned.push_back(c);
       }
       fn();
@@ -154,6 +159,9 @@ struct EngineContext {
   /// error itself.
   static void settle(std::vector<offload::CopyTicket>& tickets);
 };
+
+/// `t` on ctx.device, a floating `t` in ctx.compute (Engine::to_device).
+torch::Tensor to_compute(const EngineContext& ctx, const torch::Tensor& t);
 
 /// A chunk manager for `options` (budgets, the NVMe store, `policy` for the
 /// device tier, null: LRU) over `world` ranks; sets ctx.mgr and ctx.device.

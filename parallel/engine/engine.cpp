@@ -340,6 +340,8 @@ void Engine::zero_grad() {
 }
 
 torch::ScalarType Engine::compute_dtype() const { return impl_->ctx.compute; }
+torch::Device Engine::device() const { return impl_->ctx.device; }
+torch::Tensor Engine::to_device(const torch::Tensor& tensor) const { return to_compute(impl_->ctx, tensor); }
 double Engine::loss_scale() const { return impl_->pipeline->loss_scale(); }
 int64_t Engine::skipped_steps() const { return impl_->pipeline->skipped(); }
 int64_t Engine::micro_steps() const { return impl_->micro_steps; }

@@ -38,10 +38,18 @@
 namespace strata::parallel {
 
 struct Engine::Impl final : OpObserver {
-  // A frozen parameter or floating buffer cast to the compute precision.
-  struct Cast {
+  // Note [Module state on the compute device]
+  // Buffers (BatchNorm statistics, masks, position tables) and frozen
+  // parameters are not chunked: they are small, and operators read them
+  // beside the parameters, so attach moves them to the compute device (the
+  // GPU under CUDA; nothing moves on the emulated device) and casts the
+  // floating ones to the compute precision, as module->to(device, dtype)
+  // would. Detach gives each back its device and dtype. Inputs are the
+  // caller's: Engine::to_device places them the same way.
+  struct Placed {
     torch::Tensor tensor;
     torch::ScalarType original;
+    torch::Device original_device;
   };
 
   /// attach: packs the module's trainable parameters into chunk families and
@@ -76,7 +84,7 @@ struct Engine::Impl final : OpObserver {
   std::unique_ptr<StepPipeline> pipeline;
   std::unique_ptr<TraceRecorder> recorder;        // null: no trace
   std::unique_ptr<OpHook> hook;
-  std::vector<Cast> casts;
+  std::vector<Placed> placed;  // buffers and frozen parameters moved or cast at attach
   std::vector<std::pair<std::string, torch::Tensor>> frozen;  // frozen parameters, for export_weights
   // Buffers (BatchNorm statistics) and frozen parameters, by their module
   // names, with the dtype they had before attach: the module state a

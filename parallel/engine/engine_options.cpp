@@ -52,6 +52,7 @@ EngineOptions EngineOptions::from_env(EngineOptions base) {
   from_env_var("STRATA_GRAD_ACCUMULATION",
                [&](const std::string& v) { o.grad_accumulation = static_cast<int>(parse_integer(v)); });
   from_env_var("STRATA_NVME_OPTIM_FRACTION", [&](const std::string& v) { o.nvme_optim_fraction = parse_number(v); });
+  from_env_var("STRATA_DEVICE_OPTIM_FRACTION", [&](const std::string& v) { o.device_optim_fraction = parse_number(v); });
   from_env_var("STRATA_TRACE", [&](const std::string& v) { o.trace_path = v; });
   from_env_var("STRATA_TRACE_STEPS", [&](const std::string& v) { o.trace_steps = static_cast<int>(parse_integer(v)); });
   from_env_var("STRATA_DEVICE_CAPACITY", [&](const std::string& v) { o.device_capacity = parse_bytes(v); });
@@ -79,6 +80,8 @@ void EngineOptions::validate() const {
   STRATA_CHECK(chunk_elems >= 0, "chunk_elems is ", chunk_elems, "; give a positive size, or 0 for auto");
   STRATA_CHECK(clip_norm >= 0, "clip_norm is ", clip_norm, "; give a positive norm, or 0 for no clipping");
   STRATA_CHECK(grad_accumulation >= 1, "gradient accumulation steps must be at least 1, got ", grad_accumulation);
+  STRATA_CHECK(device_optim_fraction >= 0.0 && device_optim_fraction <= 1.0, "device_optim_fraction is ",
+               device_optim_fraction, "; give the fraction of chunk families updated on the device, in [0, 1]");
   STRATA_CHECK(nvme_optim_fraction == -1.0 || (nvme_optim_fraction >= 0.0 && nvme_optim_fraction <= 1.0),
                "nvme_optim_fraction is ", nvme_optim_fraction, "; give a fraction in [0, 1], or -1 for auto");
   STRATA_CHECK(nvme_optim_fraction <= 0.0 || budgets.nvme > 0, "nvme_optim_fraction is ", nvme_optim_fraction,

@@ -4,10 +4,16 @@
 
 #include <algorithm>
 #include <cmath>
+#include <condition_variable>
+#include <future>
+#include <mutex>
 
 #include "../zero/gathers.h"
 #include "grad_sink.h"
 #include "strata/core/log.h"
+#if defined(STRATA_HAVE_CUDA_KERNELS)
+#include "strata/kernels/cuda_optim.h"
+#endif
 
 namespace strata::parallel {
 
@@ -24,7 +30,10 @@ void StepPipeline::restore_scaler(double scale, int clean_steps, int64_t skipped
 
 void StepPipeline::place_optimizer_state() {
   optim_on_nvme_.assign(ctx_.families.size(), false);
-  if (ctx_.options.budgets.nvme == 0) return;
+  if (ctx_.options.budgets.nvme == 0) {
+    place_device_families();
+    return;
+  }
   std::vector<uint64_t> bytes;
   for (memory::FamilyId f : ctx_.families) {
     uint64_t b = 0;
@@ -35,6 +44,27 @@ void StepPipeline::place_optimizer_state() {
   const size_t on_nvme =
       memory::nvme_optim_families(bytes, ctx_.options.nvme_optim_fraction, ctx_.options.budgets.host);
   for (size_t i = n - on_nvme; i < n; ++i) optim_on_nvme_[i] = true;
+  place_device_families();
+}
+
+void StepPipeline::place_device_families() {
+  const size_t n = ctx_.families.size();
+  optim_on_device_.assign(n, false);
+  const auto on_device = static_cast<size_t>(std::llround(ctx_.options.device_optim_fraction * static_cast<double>(n)));
+  for (size_t i = 0; i < on_device; ++i) {
+    STRATA_CHECK(!optim_on_nvme_[i], "device_optim_fraction ", ctx_.options.device_optim_fraction, " puts ", on_device,
+                 " of ", n, " chunk families' optimizer state on the device, but family ", i,
+                 " keeps it on NVMe (nvme_optim_fraction); lower one of the two fractions so they do not overlap");
+    // The update pins the family's step members on the device together.
+    uint64_t bytes = 0;
+    for (ChunkId c : ctx_.step_members(ctx_.families[i])) bytes += ctx_.mgr->chunk(c).alloc_bytes();
+    STRATA_CHECK(bytes <= ctx_.options.budgets.device, "device_optim_fraction ", ctx_.options.device_optim_fraction,
+                 ": updating chunk family ", i, " on the device needs its parameters, gradients and optimizer state "
+                 "there together, ", format_bytes(bytes), ", more than the device budget ",
+                 format_bytes(ctx_.options.budgets.device), "; raise the device budget, lower the chunk size, or "
+                 "lower device_optim_fraction");
+    optim_on_device_[i] = true;
+  }
 }
 
 void StepPipeline::read_state_early() {
@@ -143,15 +173,17 @@ double StepPipeline::current_lr(size_t group) const {
   return ctx_.groups[group].lr * ctx_.optimizer.schedule.factor(optimizer_steps_);
 }
 
-// Pins family `index` on host, calls `pinned_hook` (the read-ahead of the
+// Pins family `index` on `tier`, calls `pinned_hook` (the read-ahead of the
 // next family, which must not evict this one), then updates it.
-void StepPipeline::update_family(size_t index, float grad_scale, const std::vector<float>& lrs,
-                                 const std::function<void()>& pinned_hook) {
+void StepPipeline::update_family(size_t index, Tier tier, float grad_scale, const std::vector<float>& lrs,
+                                 const std::function<void()>& pinned_hook, double& waited) {
   const memory::FamilyId f = ctx_.families[index];
   const memory::ChunkFamily& fam = ctx_.mgr->family(f);
+  // On a GPU the device's memory is not the host's: the CUDA kernels run there.
+  const bool on_cuda = tier == Tier::kDevice && !ctx_.mgr->device().host_accessible();
   const auto waited_from = Clock::now();
-  ctx_.with_on_host(ctx_.step_members(f), [&] {
-    ctx_.wait.optimizer += seconds_since(waited_from);  // the pins above waited for the chunks
+  ctx_.with_on(tier, ctx_.step_members(f), [&] {
+    waited += seconds_since(waited_from);  // the pins above waited for the chunks
     pinned_hook();
     const ChunkId pc = ctx_.step_param(f), gc = ctx_.step_grad(f);
     const ChunkId mc = fam.master ? *fam.master : pc;  // fp32 values: the master, or the fp32 parameters
@@ -172,16 +204,21 @@ void StepPipeline::update_family(size_t index, float grad_scale, const std::vect
           s.param_dtype = ctx_.options.precision;
         }
       }
-      update_param(p, s, grad_scale, lrs[p.group]);  // counts the step even when this rank owns none of it
+      update_param(p, s, grad_scale, lrs[p.group], on_cuda);  // counts the step even when this rank owns none of it
     }
   });
 }
 
-void StepPipeline::update_param(ManagedParam& p, const kernels::OptimSpans& s, float grad_scale, float lr) {
+void StepPipeline::update_param(ManagedParam& p, const kernels::OptimSpans& s, float grad_scale, float lr,
+                                bool on_cuda) {
   const OptimizerConfig& o = ctx_.optimizer;
   const GroupSettings& g = ctx_.groups[p.group];
   p.steps += 1;
   if (s.n == 0) return;
+  if (on_cuda) {
+    update_on_cuda(o, g, p.steps, s, grad_scale, lr);
+    return;
+  }
   switch (o.kind) {
     case OptimizerKind::kAdamW:
     case OptimizerKind::kAdam: {
@@ -227,6 +264,128 @@ void StepPipeline::update_param(ManagedParam& p, const kernels::OptimSpans& s, f
   }
 }
 
+void StepPipeline::update_split(float grad_scale, const std::vector<float>& lrs,
+                                const std::function<void(size_t)>& after) {
+  const size_t n = ctx_.families.size();
+  std::mutex mu;
+  std::condition_variable cv;
+  size_t host_done = 0;  // host families updated, in order
+  bool host_failed = false;
+  std::vector<size_t> host_families;
+  for (size_t i = 0; i < n; ++i) {
+    if (!optim_on_device_[i]) host_families.push_back(i);
+  }
+  double host_waited = 0.0;
+  std::vector<offload::CopyTicket> host_ahead;
+  std::future<void> host = std::async(std::launch::async, [&] {
+    try {
+      for (size_t k = 0; k < host_families.size(); ++k) {
+        update_family(host_families[k], Tier::kHost, grad_scale, lrs, [&] {
+          if (k + 1 < host_families.size() && ctx_.options.prefetch) {
+            ctx_.read_ahead(ctx_.step_members(ctx_.families[host_families[k + 1]]), host_ahead, /*only_into_free=*/true);
+          }
+        }, host_waited);
+        std::lock_guard<std::mutex> lock(mu);
+        ++host_done;
+        cv.notify_all();
+      }
+    } catch (...) {
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        host_failed = true;
+      }
+      cv.notify_all();
+      throw;
+    }
+  });
+  // Device families here, while the host ones run; then every family's
+  // `after` in order, each once its update is done.
+  std::exception_ptr failure;
+  try {
+    for (size_t i = 0; i < n; ++i) {
+      if (optim_on_device_[i]) update_family(i, Tier::kDevice, grad_scale, lrs, [] {}, ctx_.wait.optimizer);
+    }
+    size_t host_seen = 0;
+    for (size_t i = 0; i < n; ++i) {
+      if (!optim_on_device_[i]) {
+        std::unique_lock<std::mutex> lock(mu);
+        cv.wait(lock, [&] { return host_done > host_seen || host_failed; });
+        if (host_done <= host_seen) break;  // the host worker failed: its error is rethrown below
+        ++host_seen;
+      }
+      after(i);
+    }
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  try {
+    host.get();
+  } catch (...) {
+    if (!failure) failure = std::current_exception();
+  }
+  EngineContext::settle(host_ahead);
+  ctx_.wait.optimizer += host_waited;
+  if (failure) std::rethrow_exception(failure);
+}
+
+// The CUDA kernels on the compute stream (the legacy default stream, where
+// LibTorch computes): the chunk manager orders later copies after them.
+void StepPipeline::update_on_cuda(const OptimizerConfig& o, const GroupSettings& g, int64_t step,
+                                  const kernels::OptimSpans& s, float grad_scale, float lr) {
+#if defined(STRATA_HAVE_CUDA_KERNELS)
+  kernels::cuda::DeviceSpans d;
+  d.n = s.n;
+  d.master = s.master;
+  d.grad = s.grad;
+  d.exp_avg = s.state0;
+  d.exp_avg_sq = s.state1;
+  d.param_copy = s.param_copy;
+  const DType param_dtype = s.param_copy != nullptr ? s.param_dtype : DType::kFloat32;
+  switch (o.kind) {
+    case OptimizerKind::kAdamW:
+    case OptimizerKind::kAdam: {
+      kernels::AdamParams ap;
+      ap.lr = lr;
+      ap.beta1 = static_cast<float>(g.beta1);
+      ap.beta2 = static_cast<float>(g.beta2);
+      ap.eps = static_cast<float>(g.eps);
+      ap.weight_decay = static_cast<float>(g.weight_decay);
+      ap.decoupled_weight_decay = o.kind == OptimizerKind::kAdamW;
+      ap.step = step;
+      ap.grad_scale = grad_scale;
+      kernels::cuda::multi_tensor_adam(ap, s.grad_dtype, param_dtype, &d, 1, nullptr, nullptr);
+      return;
+    }
+    case OptimizerKind::kLion: {
+      kernels::LionParams lp;
+      lp.lr = lr;
+      lp.beta1 = static_cast<float>(g.beta1);
+      lp.beta2 = static_cast<float>(g.beta2);
+      lp.weight_decay = static_cast<float>(g.weight_decay);
+      lp.grad_scale = grad_scale;
+      kernels::cuda::lion_step(lp, s.grad_dtype, param_dtype, d, nullptr);
+      return;
+    }
+    case OptimizerKind::kSgd: {
+      kernels::SgdParams sp;
+      sp.lr = lr;
+      sp.momentum = static_cast<float>(g.momentum);
+      sp.dampening = static_cast<float>(o.dampening);
+      sp.weight_decay = static_cast<float>(g.weight_decay);
+      sp.nesterov = o.nesterov;
+      sp.step = step;
+      sp.grad_scale = grad_scale;
+      kernels::cuda::sgd_step(sp, s.grad_dtype, param_dtype, d, nullptr);
+      return;
+    }
+  }
+#else
+  (void)o, (void)g, (void)step, (void)s, (void)grad_scale, (void)lr;
+  STRATA_FAIL("the optimizer state of some families is on a CUDA device (device_optim_fraction), but strata was "
+              "built without its CUDA kernels; rebuild with the CUDA toolkit or set device_optim_fraction to 0");
+#endif
+}
+
 bool StepPipeline::step(double& grad_norm) {
   const EngineOptions& options = ctx_.options;
   const double average = 1.0 / (options.grad_accumulation * ctx_.world());
@@ -253,19 +412,28 @@ bool StepPipeline::step(double& grad_norm) {
   std::vector<float> lrs(ctx_.groups.size());  // each group's lr for this step: base x schedule
   for (size_t g = 0; g < lrs.size(); ++g) lrs[g] = static_cast<float>(current_lr(g));
   std::vector<offload::CopyTicket> ahead, behind;
+  // After family i's update, in family order on this thread: its write-back
+  // to NVMe and its parameter gather.
+  const auto after = [&](size_t i) {
+    if (optim_on_nvme_[i]) {
+      for (ChunkId c : ctx_.optim_members(families[i])) behind.push_back(ctx_.mgr->prefetch(c, Tier::kNvme));
+    }
+    if (gathers_ != nullptr) {
+      gathers_->start(families[i]);
+      gathers_->finish(1);  // the previous family's gather overlapped this family's update
+    }
+  };
   try {
-    for (size_t i = 0; i < families.size(); ++i) {
-      update_family(i, static_cast<float>(multiplier), lrs, [&] {
-        if (i + 1 < families.size() && options.prefetch) {
-          ctx_.read_ahead(ctx_.step_members(families[i + 1]), ahead, /*only_into_free=*/true);
-        }
-      });
-      if (optim_on_nvme_[i]) {
-        for (ChunkId c : ctx_.optim_members(families[i])) behind.push_back(ctx_.mgr->prefetch(c, Tier::kNvme));
-      }
-      if (gathers_ != nullptr) {
-        gathers_->start(families[i]);
-        gathers_->finish(1);  // the previous family's gather overlapped this family's update
+    if (std::find(optim_on_device_.begin(), optim_on_device_.end(), true) != optim_on_device_.end()) {
+      update_split(static_cast<float>(multiplier), lrs, after);
+    } else {
+      for (size_t i = 0; i < families.size(); ++i) {
+        update_family(i, Tier::kHost, static_cast<float>(multiplier), lrs, [&] {
+          if (i + 1 < families.size() && options.prefetch) {
+            ctx_.read_ahead(ctx_.step_members(families[i + 1]), ahead, /*only_into_free=*/true);
+          }
+        }, ctx_.wait.optimizer);
+        after(i);
       }
     }
     if (gathers_ != nullptr) gathers_->finish(0);

@@ -29,6 +29,20 @@ class StepGathers;
 // optimizer waits on NVMe only when the disk is slower than the update.
 // Budgets still hold: the reads and write-backs are ordinary chunk moves,
 // evicting as they need.
+// Note [The optimizer where its state lives]
+// With EngineOptions::device_optim_fraction, the first families' optimizer
+// state is updated on the device: their step members are pinned there (the
+// chunk manager brings what is elsewhere, gradients included) and updated
+// by the device kernels: CUDA's on a GPU (Adam/AdamW, Lion, SGD on the
+// compute stream), the CPU kernels on the emulated device, whose memory the
+// host reads. Meanwhile a worker thread updates the other families on the
+// CPU, on host, as ZeRO-Offload does, so the two overlap. The norm and
+// overflow check before (grad_stats) and the loss scaler are the same for
+// both: one multiplier, one decision to skip. Collectives that follow a
+// family's update (ZeRO 1-2 parameter gathers) are issued by the calling
+// thread in family order, each once its family is done, whichever thread
+// updated it: every rank issues the same sequence (Note [Collectives are
+// issued in order]). NVMe-resident state is never on the device list.
 class StepPipeline {
  public:
   /// `sink` drops the gradients after a step; `gathers` (ZeRO stages 1-2,
@@ -38,6 +52,8 @@ class StepPipeline {
   /// Decides, once the families exist, which keep their optimizer state on NVMe.
   void place_optimizer_state();
   const std::vector<bool>& optim_on_nvme() const { return optim_on_nvme_; }
+  /// Families updated on the device (Note [The optimizer where its state lives]).
+  const std::vector<bool>& optim_on_device() const { return optim_on_device_; }
   /// Before the backward that ends an accumulation: starts reading the
   /// optimizer state on NVMe back to host, as far as it fits.
   void read_state_early();
@@ -64,14 +80,25 @@ class StepPipeline {
   /// tensor group hold too: each part's times (1 - 1/copies) (Note [Clipping
   /// across the tensor group]), its gradient chunk pinned on host.
   double replicated_sum_sq(memory::FamilyId f) const;
-  void update_family(size_t index, float grad_scale, const std::vector<float>& lrs,
-                     const std::function<void()>& pinned_hook);
-  void update_param(ManagedParam& p, const kernels::OptimSpans& spans, float grad_scale, float lr);
+  /// Pins family `index`'s step members on `tier` (host, or the device),
+  /// calls `pinned_hook`, then updates it there; adds the time the pins
+  /// waited to `waited`.
+  void update_family(size_t index, Tier tier, float grad_scale, const std::vector<float>& lrs,
+                     const std::function<void()>& pinned_hook, double& waited);
+  void update_param(ManagedParam& p, const kernels::OptimSpans& spans, float grad_scale, float lr, bool on_cuda);
+  void update_on_cuda(const OptimizerConfig& o, const GroupSettings& g, int64_t step, const kernels::OptimSpans& s,
+                      float grad_scale, float lr);
+  void place_device_families();
+  /// The update of every family, device families on this thread and the
+  /// others on a worker; `after(i)` runs here for each family in order once
+  /// it is updated.
+  void update_split(float grad_scale, const std::vector<float>& lrs, const std::function<void(size_t)>& after);
 
   EngineContext& ctx_;
   GradSink& sink_;
   StepGathers* gathers_;
   std::vector<bool> optim_on_nvme_;  // parallel to ctx.families
+  std::vector<bool> optim_on_device_;  // parallel to ctx.families
   std::vector<offload::CopyTicket> early_;
   double scale_ = 1.0;  // the loss scale
   int clean_steps_ = 0;

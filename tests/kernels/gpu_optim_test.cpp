@@ -107,6 +107,62 @@ TEST(GpuKernels, MultiTensorAdamMatchesTheCpuKernel) {
   EXPECT_EQ(to_host(spans[3].master, sizes[3]), before);
 }
 
+// Lion and SGD (with momentum, Nesterov, first step) on the GPU against the
+// CPU kernels on the same values: the optimizer split (Note [The optimizer
+// where its state lives]) must not change the arithmetic.
+TEST(GpuKernels, LionAndSgdMatchTheCpuKernels) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const int64_t n = (1 << 20) + 7;
+  for (int which = 0; which < 3; ++which) {
+    HostChunk c = make_chunk(n, 30 + which);
+    cuda::DeviceSpans d;
+    d.n = n;
+    d.master = to_device(c.master);
+    d.exp_avg = to_device(c.m);
+    d.grad = to_device(c.grad);
+    d.param_copy = to_device(c.copy);
+    OptimSpans s;
+    s.n = n;
+    s.master = c.master.data();
+    s.grad = c.grad.data();
+    s.grad_dtype = DType::kBFloat16;
+    s.state0 = c.m.data();
+    s.param_copy = c.copy.data();
+    s.param_dtype = DType::kBFloat16;
+    if (which == 0) {
+      LionParams p;
+      p.lr = 1e-3f;
+      p.weight_decay = 0.1f;
+      p.grad_scale = 0.5f;
+      p.grads_known_finite = true;
+      cuda::lion_step(p, DType::kBFloat16, DType::kBFloat16, d, nullptr);
+      ASSERT_EQ(lion_step(p, s), StepStatus::kUpdated);
+    } else {
+      SgdParams p;
+      p.lr = 1e-2f;
+      p.momentum = 0.9f;
+      p.dampening = 0.1f;
+      p.weight_decay = 0.01f;
+      p.nesterov = which == 2;
+      p.step = which == 1 ? 1 : 4;
+      p.grads_known_finite = true;
+      cuda::sgd_step(p, DType::kBFloat16, DType::kBFloat16, d, nullptr);
+      ASSERT_EQ(sgd_step(p, s), StepStatus::kUpdated);
+    }
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const auto w = to_host(d.master, n);
+    const auto m = to_host(d.exp_avg, n);
+    for (int64_t i = 0; i < n; ++i) {
+      ASSERT_NEAR(w[i], c.master[i], 1e-6 + 1e-5 * std::fabs(c.master[i])) << "optimizer " << which << " at " << i;
+      ASSERT_NEAR(m[i], c.m[i], 1e-6 + 1e-5 * std::fabs(c.m[i])) << "optimizer " << which << " at " << i;
+    }
+    const auto copy = to_host(static_cast<uint16_t*>(d.param_copy), n);
+    int64_t off_by_more_than_an_ulp = 0;  // rounding ties may fall either way after fma differences
+    for (int64_t i = 0; i < n; ++i) off_by_more_than_an_ulp += std::abs(int(copy[i]) - int(c.copy[i])) > 1;
+    EXPECT_EQ(off_by_more_than_an_ulp, 0) << "optimizer " << which;
+  }
+}
+
 TEST(GpuKernels, GradStatsAndCastMatchTheCpu) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   HostChunk c = make_chunk((1 << 20) + 5, 9);

@@ -4,6 +4,7 @@
 //   dp_check --memory
 //   dp_check --checkpoint DIR --zero-stage S --load-stage T
 //   dp_check --fp16
+//   dp_check --bf16
 //   --zero-stage    ZeRO stage 0-3 (Note [ZeRO over chunks])
 //   --offload       device budget a quarter of the model state, optimizer state on NVMe
 //   --accumulation  K micro-steps per step (communication only on the last)
@@ -16,6 +17,7 @@
 //                   and trains the same 2 steps: parameters, each rank's RNG
 //                   stream and the exported weights must match
 //   --fp16          an fp16 model (master weights, loss scaling) at stages 1-3
+//   --bf16          a bf16 model at stages 0-3 against one process training on every rank's batches
 //                   against stage 0, with tensors spanning shards
 //   --die-at-step K rank 1 dies in the middle of step K (the launcher must
 //                   stop the others and name it)
@@ -24,6 +26,9 @@
 //                   do not (data-dependent routing, as MoE): every stage
 //                   trains like one process on the combined batch (at stage 3
 //                   through Note [Gathers agreed in rounds])
+//   --device-optim  half the chunk families' optimizer state is updated on the
+//                   device while the rest is on the CPU (Note [The optimizer
+//                   where its state lives]); the gathers after it stay in order
 //   --between       at step 1 every rank reads the gradients before the step
 //                   (Engine::grad, compared with the reference's); after step 2
 //                   every rank reads its parameters (compared
@@ -83,6 +88,7 @@ struct Options {
   bool branches = false;  // rank 0 alone takes the side branch, at every stage
   bool between = false;   // reads and writes between steps
   int throw_at_step = -1;
+  bool device_optim = false;  // half the families' optimizer state updated on the device
 };
 
 struct Outcome {
@@ -125,6 +131,7 @@ Outcome train(const std::shared_ptr<Communicator>& comm, const Options& opt) {
     o.nvme_optim_fraction = 1.0;
   }
   if (opt.mismatch && rank == 1) o.budgets.device += 4096;
+  if (opt.device_optim) o.device_optim_fraction = 0.5;
   // Stage 3 gathers parameters for operators: every rank must use the same ones.
   const auto uses_side = [&](int r) { return r == 0 && (opt.unused || opt.branches); };
   const int steps = 5, batch = 8;
@@ -238,25 +245,35 @@ Outcome train(const std::shared_ptr<Communicator>& comm, const Options& opt) {
   return out;
 }
 
-// Trains Scaler in fp16 at `stage`; returns the trained fp32 parameters.
-std::vector<torch::Tensor> train_fp16(const std::shared_ptr<Communicator>& comm, int stage) {
+// Trains Scaler in `precision` (fp16 by default) at `stage`; returns the
+// trained fp32 parameters. With `whole_batch` it trains alone (no
+// communicator) on every rank's batches at once: what data parallelism over
+// `world` ranks computes.
+std::vector<torch::Tensor> train_fp16(const std::shared_ptr<Communicator>& comm, int stage,
+                                      strata::DType precision = strata::DType::kFloat16, bool whole_batch = false) {
   torch::manual_seed(3);
   auto model = std::make_shared<Scaler>();
   EngineOptions o;
-  o.precision = strata::DType::kFloat16;
+  o.precision = precision;
   o.zero_stage = stage;
   o.chunk_elems = 1000;  // the embedding gets a chunk of its own, split across every rank's shard
   o.budgets = {1 << 20, 4 << 20, 0};
   AdamWConfig cfg;
   cfg.lr = 1e-2f;
   {
-    auto engine = attach(*model, cfg, o, comm);
+    auto engine = attach(*model, cfg, o, whole_batch ? nullptr : comm);
     torch::manual_seed(21);
     const torch::Tensor table = torch::randn({64, 32}) * 0.5;
     for (int s = 0; s < 6; ++s) {
-      torch::manual_seed(40 + s * 7 + comm->rank());
-      const torch::Tensor tokens = torch::randint(0, 64, {8, 4});
-      const torch::Tensor target = table.index_select(0, tokens.flatten()).view({8, 4, 32}).to(torch::kFloat16);
+      std::vector<torch::Tensor> batches;
+      for (int r = 0; r < comm->world_size(); ++r) {
+        if (!whole_batch && r != comm->rank()) continue;
+        torch::manual_seed(40 + s * 7 + r);
+        batches.push_back(torch::randint(0, 64, {8, 4}));
+      }
+      const torch::Tensor tokens = engine->to_device(torch::cat(batches));
+      const torch::Tensor target =
+          engine->to_device(table.index_select(0, tokens.flatten()).view({tokens.size(0), 4, 32}));
       engine->train_step([&] { return (model->forward(tokens) - target).pow(2).mean().to(torch::kFloat32); });
     }
   }
@@ -358,6 +375,7 @@ int main(int argc, char** argv) {
   Options opt;
   bool save_fails = false;
   bool fp16 = false;
+  bool bf16 = false;
   std::string checkpoint;
   int load_stage = 0;
   bool memory = false;
@@ -367,9 +385,11 @@ int main(int argc, char** argv) {
     if (a == "--unused") opt.unused = true;
     if (a == "--memory") memory = true;
     if (a == "--fp16") fp16 = true;
+    if (a == "--bf16") bf16 = true;
     if (a == "--mismatch") opt.mismatch = true;
     if (a == "--branches") opt.branches = true;
     if (a == "--between") opt.between = true;
+    if (a == "--device-optim") opt.device_optim = true;
     if (a == "--throw-at-step" && i + 1 < argc) opt.throw_at_step = std::atoi(argv[++i]);
     if (a == "--save-fails") save_fails = true;
     if (a == "--die-at-step" && i + 1 < argc) opt.die_at_step = std::atoi(argv[++i]);
@@ -387,6 +407,23 @@ int main(int argc, char** argv) {
     }
     if (save_fails) {
       save_fails_check(comm);
+      return 0;
+    }
+    if (bf16) {
+      // N ranks against one process on all their batches (bf16 sums over
+      // Gloo: Note [bf16 over Gloo]), at every stage: bf16's usual tolerance.
+      const std::vector<torch::Tensor> alone = train_fp16(comm, 0, strata::DType::kBFloat16, /*whole_batch=*/true);
+      for (int stage = 0; stage <= 3; ++stage) {
+        const std::vector<torch::Tensor> got = train_fp16(comm, stage, strata::DType::kBFloat16);
+        double worst = 0;
+        for (size_t i = 0; i < alone.size(); ++i) {
+          worst = std::max(worst, ((got[i] - alone[i]).norm() / alone[i].norm()).item<double>());
+        }
+        STRATA_CHECK(worst < 2e-2, "rank ", rank, ": bf16 on ", world, " ranks at stage ", stage,
+                     " differs from one process on all their batches by ", worst);
+        std::printf("rank %d: bf16 on %d ranks at ZeRO stage %d matches one process (worst relative difference %.2e)\n",
+                    rank, world, stage, worst);
+      }
       return 0;
     }
     if (fp16) {

@@ -65,10 +65,11 @@ TrainRun train(DType precision, std::shared_ptr<Model> model, const std::vector<
     auto engine = attach(*model, cfg, o);
     EXPECT_EQ(model->parameters()[0].scalar_type(), engine->compute_dtype());
     for (const Batch& b : data) {
-      const torch::Tensor in = float_input ? b.input.to(engine->compute_dtype()) : b.input;
-      const StepResult r = engine->train_step([&] {
-        return (model->forward(in) - b.target.to(engine->compute_dtype())).square().mean();
-      });
+      // Engine::to_device: floating inputs in the compute dtype, token ids as they are.
+      const torch::Tensor in = engine->to_device(b.input);
+      EXPECT_EQ(in.scalar_type(), float_input ? engine->compute_dtype() : b.input.scalar_type());
+      const torch::Tensor target = engine->to_device(b.target);
+      const StepResult r = engine->train_step([&] { return (model->forward(in) - target).square().mean(); });
       EXPECT_TRUE(r.stepped);
       run.losses.push_back(r.loss);
     }
@@ -179,6 +180,56 @@ TEST(EnginePrecision, Fp16OverflowSkipsTheStepAndHalvesTheScale) {
   for (int s = 3; s < 6; ++s) EXPECT_TRUE(engine->train_step(loss_of(data[s], false)).stepped);
   EXPECT_EQ(engine->loss_scale(), 4096);
   EXPECT_FALSE(torch::equal(snapshot(), before));
+}
+
+}  // namespace
+}  // namespace strata::parallel
+
+namespace strata::parallel {
+namespace {
+
+// Note [Module state on the compute device]: buffers and frozen parameters
+// go where operators run, floating ones in the compute precision, and come
+// back as they were; Engine::to_device places inputs the same way.
+TEST(EnginePlacement, BuffersFrozenParametersAndInputsGoWhereOperatorsRun) {
+  torch::manual_seed(3);
+  auto frozen = torch::nn::Linear(8, 8);
+  for (auto& p : frozen->parameters()) p.set_requires_grad(false);
+  auto bn = torch::nn::BatchNorm1d(8);
+  auto model = torch::nn::Sequential(torch::nn::Linear(8, 8), bn, frozen, torch::nn::Linear(8, 2));
+  const torch::Tensor frozen_before = frozen->weight.detach().clone();
+  EngineOptions o;
+  o.budgets = {64 << 10, 1 << 20, 0};
+  o.chunk_elems = 1024;
+  o.precision = DType::kBFloat16;
+  {
+    auto engine = attach(*model, AdamWConfig{}, o);
+    ASSERT_TRUE(engine->device().is_cpu()) << "the device tier is emulated here, so operators run on the CPU";
+    EXPECT_EQ(bn->running_mean.scalar_type(), torch::kBFloat16);
+    EXPECT_EQ(bn->num_batches_tracked.scalar_type(), torch::kLong) << "integer buffers keep their dtype";
+    EXPECT_EQ(frozen->weight.scalar_type(), torch::kBFloat16);
+    EXPECT_EQ(frozen->weight.device(), engine->device());
+
+    const torch::Tensor x = torch::randn({16, 8}) + 3.0;
+    const torch::Tensor placed = engine->to_device(x);
+    EXPECT_EQ(placed.scalar_type(), torch::kBFloat16);
+    EXPECT_EQ(placed.device(), engine->device());
+    EXPECT_TRUE(torch::equal(placed.to(torch::kFloat32), x.to(torch::kBFloat16).to(torch::kFloat32)));
+    const torch::Tensor ids = torch::arange(4);
+    EXPECT_TRUE(engine->to_device(ids).is_same(ids)) << "a tensor already in place is returned as it is";
+    EXPECT_TRUE(engine->to_device(placed).is_same(placed));
+
+    const StepResult r = engine->train_step([&] { return model->forward(placed).to(torch::kFloat32).square().mean(); });
+    EXPECT_TRUE(r.stepped);
+    EXPECT_GT(bn->running_mean.abs().sum().item<double>(), 0.1) << "the statistics were updated in place";
+    EXPECT_EQ(bn->num_batches_tracked.item<int64_t>(), 1);
+  }
+  EXPECT_EQ(bn->running_mean.scalar_type(), torch::kFloat32) << "detach gives module state its dtype back";
+  EXPECT_EQ(frozen->weight.scalar_type(), torch::kFloat32);
+  EXPECT_FALSE(frozen->weight.requires_grad());
+  // The frozen weight went through bf16 and back: equal up to bf16 rounding, never trained.
+  EXPECT_TRUE(torch::allclose(frozen->weight, frozen_before, 1e-2, 1e-2));
+  EXPECT_TRUE(torch::equal(frozen->weight, frozen_before.to(torch::kBFloat16).to(torch::kFloat32)));
 }
 
 }  // namespace

@@ -78,6 +78,80 @@ TEST_P(Optimizers, MatchTorchOverTwentyStepsAtAQuarterOfModelStateOnTheDevice) {
   expect_params_close(*reference, *model);
 }
 
+// Optimizer state chunks resident on the device now.
+int optim_state_on_device(const memory::ChunkManager& mgr) {
+  int n = 0;
+  for (size_t c = 0; c < mgr.num_chunks(); ++c) {
+    const memory::Chunk& chunk = mgr.chunk(static_cast<memory::ChunkId>(c));
+    n += chunk.role() == memory::ChunkRole::kOptimState && chunk.location() == memory::Tier::kDevice;
+  }
+  return n;
+}
+
+// Note [The optimizer where its state lives]: half the families updated on
+// the device (the emulated device here: its kernels are the CPU's, on device
+// memory) while a worker updates the rest on host, against torch::optim, and
+// against the same run with every family on host, bit for bit.
+TEST_P(Optimizers, SplitBetweenDeviceAndHostTrainsLikeTorch) {
+  const TorchCase& c = GetParam();
+  const Batches data(8);
+  std::vector<std::vector<torch::Tensor>> finals;
+  for (double fraction : {0.0, 0.5}) {
+    torch::manual_seed(11);
+    auto reference = mlp();
+    auto model = mlp();
+    copy_params(*reference, *model);
+    auto opt = c.make(reference->parameters());
+    EngineOptions o = quarter_on_device(*model, c.config);
+    o.budgets.device *= 2;  // half the model state: a family's whole update fits beside an operator's chunks
+    o.device_optim_fraction = fraction;
+    auto engine = attach(*model, c.config, o);
+    int resident_after_steps = 0;
+    for (int s = 0; s < 8; ++s) {
+      opt->zero_grad();
+      torch::mse_loss(reference->forward(data.xs[s]), data.ys[s]).backward();
+      opt->step();
+      ASSERT_TRUE(engine->train_step([&] { return torch::mse_loss(model->forward(data.xs[s]), data.ys[s]); }).stepped);
+      resident_after_steps += optim_state_on_device(engine->chunks());
+    }
+    if (fraction == 0.0) {
+      EXPECT_EQ(resident_after_steps, 0) << "optimizer state went to the device with device_optim_fraction 0";
+    } else if (c.config.state_count() > 0) {  // plain SGD keeps no state
+      EXPECT_GT(resident_after_steps, 0) << "no family's optimizer state was updated on the device";
+    }
+    const memory::TierStats dev = engine->chunks().tier_stats(memory::Tier::kDevice);
+    EXPECT_LE(dev.peak, dev.budget);
+    EXPECT_LE(engine->chunks().device().arena_stats().live, dev.budget) << "the arena holds no more than the budget";
+    engine.reset();
+    expect_params_close(*reference, *model);
+    std::vector<torch::Tensor> params;
+    for (const auto& p : model->parameters()) params.push_back(p.detach().clone());
+    finals.push_back(params);
+  }
+  for (size_t i = 0; i < finals[0].size(); ++i) {
+    EXPECT_TRUE(torch::equal(finals[0][i], finals[1][i])) << "parameter " << i << " differs from the all-host run";
+  }
+}
+
+TEST(DeviceOptimizer, RefusesAFractionOverlappingTheNvmeFamilies) {
+  auto model = mlp();
+  EngineOptions o = quarter_on_device(*model, OptimizerConfig{});
+  o.device_optim_fraction = 1.5;
+  EXPECT_NE(error_of([&] { attach(*model, OptimizerConfig{}, o); }).find("device_optim_fraction"), std::string::npos);
+  o.device_optim_fraction = 1.0;
+  EXPECT_NE(error_of([&] { attach(*model, OptimizerConfig{}, o); }).find("more than the device budget"),
+            std::string::npos)
+      << "a family's update must fit on the device";
+  o.budgets.device *= 4;
+  o.device_optim_fraction = 0.75;
+  o.budgets.nvme = 1 << 20;
+  o.nvme_dir = ::testing::TempDir() + "strata-device-optim-nvme";
+  o.nvme_optim_fraction = 0.5;
+  EXPECT_NE(error_of([&] { attach(*model, OptimizerConfig{}, o); }).find("lower one of the two fractions"),
+            std::string::npos);
+  for (const auto& p : model->parameters()) EXPECT_EQ(p.scalar_type(), torch::kFloat32) << "a refused attach changed the module";
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Kinds, Optimizers,
     ::testing::Values(

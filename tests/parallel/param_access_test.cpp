@@ -273,7 +273,10 @@ TEST(ParamAccess, GradientsBeforeTheStepAreReadableAndWritable) {
                          });
     EXPECT_EQ(checked, 5);
   }
-  t.expect_same_values(1e-5);
+  // Four AdamW steps at lr 1e-2: gradients summed in another order (threaded
+  // reductions) move the values by about 1e-5 (1.1e-5 was seen under load); a
+  // gradient set_grad failed to replace moves them by about lr.
+  t.expect_same_values(5e-5);
   const std::string e = any_error_of([&] { (void)t.engine->grad("0.weight"); });
   EXPECT_NE(e.find("before_step callback"), std::string::npos) << e;
 }

@@ -3,6 +3,7 @@
 // same semantics as the CPU kernels in optim.h, on device memory.
 //  - multi_tensor_adam: one launch updates a list of chunks (Adam or AdamW,
 //    fused unscale/clip via grad_scale, bias correction, bf16/fp16 copy).
+//  - lion_step, sgd_step: the rest of the CPU set, one span per launch.
 //  - grad_stats: sum of squares (fp32 per block, fp64 across blocks) and the
 //    inf/nan flag, accumulated into device memory, so a step needs no host sync.
 //  - multi_tensor_adam reads that flag on the device and leaves every chunk
@@ -38,6 +39,12 @@ void grad_stats(const void* grad, DType dtype, int64_t n, double* d_sum_sq, int*
 /// When d_found_inf is not null and *d_found_inf != 0 on the device, nothing is written.
 void multi_tensor_adam(const AdamParams& params, DType grad_dtype, DType param_dtype, const DeviceSpans* chunks,
                        int num_chunks, const int* d_found_inf, Stream stream);
+
+/// Lion (exp_avg is its momentum) and SGD (exp_avg is the momentum buffer,
+/// unused without momentum) on one span: the CPU kernels' arithmetic.
+/// Gradients must be known finite (the caller checked them).
+void lion_step(const LionParams& params, DType grad_dtype, DType param_dtype, const DeviceSpans& span, Stream stream);
+void sgd_step(const SgdParams& params, DType grad_dtype, DType param_dtype, const DeviceSpans& span, Stream stream);
 
 void cast(const void* src, DType src_dtype, void* dst, DType dst_dtype, int64_t n, Stream stream);
 

@@ -27,8 +27,9 @@
 // buffers and frozen parameters are held in the compute precision, as
 // module->to(dtype) would; the fp32 master weights live in the master chunk
 // and the kernel writes the new compute copy in the same pass. fp16 uses
-// dynamic loss scaling. Inputs must be given in compute_dtype() (token ids
-// need nothing), as with DeepSpeed's fp16 engine.
+// dynamic loss scaling. Inputs must be given on device() in compute_dtype()
+// (token ids need only the device), as with DeepSpeed's fp16 engine:
+// Engine::to_device does both.
 
 #include <torch/nn/module.h>
 
@@ -108,6 +109,16 @@ class Engine {
 
   /// The dtype the module computes in (its parameters' dtype while attached).
   torch::ScalarType compute_dtype() const;
+  /// Where operators run: the GPU of the device tier under CUDA, the CPU on
+  /// the emulated device. Buffers and frozen parameters live there while
+  /// attached (Note [Module state on the compute device]).
+  torch::Device device() const;
+  /// `tensor` placed for the module: on device(), floating tensors in
+  /// compute_dtype(), others (token ids, masks) in their own dtype. The
+  /// documented way to place inputs and targets: the same code then runs on a
+  /// GPU and on the emulated device. Returns `tensor` itself when it is
+  /// already there.
+  torch::Tensor to_device(const torch::Tensor& tensor) const;
   double loss_scale() const;
   int64_t skipped_steps() const;
   /// train_step calls since attach (restored by load()).

@@ -43,6 +43,14 @@ struct EngineOptions {
   /// exp_avg_sq) lives on NVMe between steps (static placement). -1: auto, the
   /// families whose state does not fit in half the host budget. Needs an nvme tier.
   double nvme_optim_fraction = -1.0;
+  /// Fraction of chunk families, the first ones, whose optimizer state
+  /// (master, exp_avg, exp_avg_sq) is updated on the device: the step moves
+  /// it there and runs the device kernels (CUDA on a GPU), while the other
+  /// families are updated on the CPU at the same time (Note [The optimizer
+  /// where its state lives]). 0: every family on the CPU, as ZeRO-Offload.
+  /// Needs device budget for a family's state beside its parameters and
+  /// gradients; cannot overlap the families whose state lives on NVMe.
+  double device_optim_fraction = 0.0;
   /// Record a memory trace (memory/trace.h, docs/trace.md) of the first
   /// `trace_steps` training steps and write it here; empty: no trace.
   std::string trace_path;
@@ -91,7 +99,7 @@ struct EngineOptions {
   /// STRATA_DEVICE_BUDGET, STRATA_HOST_BUDGET, STRATA_NVME_BUDGET (sizes such
   /// as "512MiB"), STRATA_NVME_DIR, STRATA_PRECISION (fp32|bf16|fp16),
   /// STRATA_CHUNK_ELEMS, STRATA_CLIP_NORM, STRATA_GRAD_ACCUMULATION,
-  /// STRATA_NVME_OPTIM_FRACTION, STRATA_LOSS_SCALE (initial scale),
+  /// STRATA_NVME_OPTIM_FRACTION, STRATA_DEVICE_OPTIM_FRACTION, STRATA_LOSS_SCALE (initial scale),
   /// STRATA_TRACE (trace path), STRATA_TRACE_STEPS, STRATA_POLICY,
   /// STRATA_STATIC_PARAM_FRACTION, STRATA_PREFETCH (0 or 1),
   /// STRATA_DEVICE_CAPACITY, STRATA_INIT_WEIGHTS, STRATA_ZERO_STAGE. A value
