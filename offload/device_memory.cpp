@@ -34,19 +34,30 @@ void* map_segment(size_t bytes) {
   return p;
 }
 
-class EmulatedDeviceMemory final : public DeviceMemory {
+// Payloads from a DeviceArena over the backing's segments (Note [The device
+// arena]); 4 KiB-aligned, what O_DIRECT reads into a payload (and the NVMe
+// store's staging blocks) need, beyond cudaMalloc's 256 bytes.
+class ArenaDeviceMemory : public DeviceMemory {
  public:
-  EmulatedDeviceMemory()
-      : arena_(DeviceArena::Backing{map_segment, [](void* p, size_t bytes) { ::munmap(p, bytes); }}, kAlignment) {}
-
-  DeviceKind kind() const noexcept override { return DeviceKind::kEmulated; }
-  std::string name() const override { return "emulated in host memory"; }
+  explicit ArenaDeviceMemory(DeviceArena::Backing backing) : arena_(std::move(backing), 4096) {}
   size_t alignment() const noexcept override { return arena_.alignment(); }
   void* allocate(size_t bytes) override { return arena_.allocate(bytes); }
   void deallocate(void* ptr, const DeviceEvent& after) noexcept override { arena_.deallocate(ptr, after); }
   void set_capacity(uint64_t bytes) override { arena_.set_capacity(bytes); }
   void trim(uint64_t keep) override { arena_.trim(keep); }
   DeviceArenaStats arena_stats() const override { return arena_.stats(); }
+
+ private:
+  DeviceArena arena_;
+};
+
+class EmulatedDeviceMemory final : public ArenaDeviceMemory {
+ public:
+  EmulatedDeviceMemory()
+      : ArenaDeviceMemory(DeviceArena::Backing{map_segment, [](void* p, size_t bytes) { ::munmap(p, bytes); }}) {}
+
+  DeviceKind kind() const noexcept override { return DeviceKind::kEmulated; }
+  std::string name() const override { return "emulated in host memory"; }
 
   // Each direction is a copy engine with one worker: its jobs run in order, as
   // a stream's. A job first waits for `after` (a stream waiting on an event).
@@ -62,8 +73,6 @@ class EmulatedDeviceMemory final : public DeviceMemory {
   bool host_accessible() const noexcept override { return true; }
 
  private:
-  static constexpr size_t kAlignment = 4096;  // what O_DIRECT reads into a payload need
-
   static DeviceEvent on_stream(CopyEngine& stream, void* dst, const void* src, size_t bytes, const DeviceEvent& after) {
     return DeviceEvent(std::make_shared<TicketEvent>(stream.submit([dst, src, bytes, after] {
       after.synchronize();
@@ -71,29 +80,21 @@ class EmulatedDeviceMemory final : public DeviceMemory {
     })));
   }
 
-  DeviceArena arena_;
-  CopyEngine to_device_{1};  // last: their jobs finish before the arena goes
+  CopyEngine to_device_{1};  // destroyed before the arena (a base): their jobs finish first
   CopyEngine to_host_{1};
 };
 
-class CudaDeviceMemory final : public DeviceMemory {
+class CudaDeviceMemory final : public ArenaDeviceMemory {
  public:
   CudaDeviceMemory(int index, std::string device_name)
-      : index_(index),
-        device_name_(std::move(device_name)),
-        arena_(DeviceArena::Backing{[index](size_t bytes) { return cuda::device_malloc(index, bytes); },
-                                    [index](void* p, size_t) { cuda::device_free(index, p); }},
-               kAlignment) {}
+      : ArenaDeviceMemory(DeviceArena::Backing{[index](size_t bytes) { return cuda::device_malloc(index, bytes); },
+                                               [index](void* p, size_t) { cuda::device_free(index, p); }}),
+        index_(index),
+        device_name_(std::move(device_name)) {}
 
   DeviceKind kind() const noexcept override { return DeviceKind::kCuda; }
   int index() const noexcept override { return index_; }
   std::string name() const override { return "cuda:" + std::to_string(index_) + " (" + device_name_ + ")"; }
-  size_t alignment() const noexcept override { return arena_.alignment(); }
-  void* allocate(size_t bytes) override { return arena_.allocate(bytes); }
-  void deallocate(void* ptr, const DeviceEvent& after) noexcept override { arena_.deallocate(ptr, after); }
-  void set_capacity(uint64_t bytes) override { arena_.set_capacity(bytes); }
-  void trim(uint64_t keep) override { arena_.trim(keep); }
-  DeviceArenaStats arena_stats() const override { return arena_.stats(); }
   DeviceEvent copy_from_host_async(void* dst, const void* src, size_t bytes, const DeviceEvent& after) override {
     return cuda::copy_async(index_, dst, src, bytes, /*to_device=*/true, after);
   }
@@ -106,11 +107,8 @@ class CudaDeviceMemory final : public DeviceMemory {
   bool host_accessible() const noexcept override { return false; }
 
  private:
-  static constexpr size_t kAlignment = 4096;  // beyond cudaMalloc's 256: the staging blocks' O_DIRECT size
-
   int index_;
   std::string device_name_;
-  DeviceArena arena_;
 };
 
 }  // namespace

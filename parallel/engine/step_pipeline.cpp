@@ -209,57 +209,126 @@ void StepPipeline::update_family(size_t index, Tier tier, float grad_scale, cons
   });
 }
 
+namespace {
+
+// The kernels' hyper-parameters of one update: the group's settings, this
+// step's lr and multiplier (grad_stats() checked every chunk: finite).
+kernels::AdamParams adam_params(const OptimizerConfig& o, const GroupSettings& g, int64_t step, float grad_scale,
+                                float lr) {
+  kernels::AdamParams ap;
+  ap.lr = lr;
+  ap.beta1 = static_cast<float>(g.beta1);
+  ap.beta2 = static_cast<float>(g.beta2);
+  ap.eps = static_cast<float>(g.eps);
+  ap.weight_decay = static_cast<float>(g.weight_decay);
+  ap.decoupled_weight_decay = o.kind == OptimizerKind::kAdamW;
+  ap.step = step;
+  ap.grad_scale = grad_scale;
+  ap.grads_known_finite = true;
+  return ap;
+}
+
+kernels::LionParams lion_params(const GroupSettings& g, float grad_scale, float lr) {
+  kernels::LionParams lp;
+  lp.lr = lr;
+  lp.beta1 = static_cast<float>(g.beta1);
+  lp.beta2 = static_cast<float>(g.beta2);
+  lp.weight_decay = static_cast<float>(g.weight_decay);
+  lp.grad_scale = grad_scale;
+  lp.grads_known_finite = true;
+  return lp;
+}
+
+kernels::SgdParams sgd_params(const OptimizerConfig& o, const GroupSettings& g, int64_t step, float grad_scale,
+                              float lr) {
+  kernels::SgdParams sp;
+  sp.lr = lr;
+  sp.momentum = static_cast<float>(g.momentum);
+  sp.dampening = static_cast<float>(o.dampening);
+  sp.weight_decay = static_cast<float>(g.weight_decay);
+  sp.nesterov = o.nesterov;
+  sp.step = step;
+  sp.grad_scale = grad_scale;
+  sp.grads_known_finite = true;
+  return sp;
+}
+
+// The CUDA kernels on the compute stream (the legacy default stream, where
+// LibTorch computes): the chunk manager orders later copies after them.
+#if defined(STRATA_HAVE_CUDA_KERNELS)
+kernels::cuda::DeviceSpans device_spans(const kernels::OptimSpans& s) {
+  kernels::cuda::DeviceSpans d;
+  d.n = s.n;
+  d.master = s.master;
+  d.grad = s.grad;
+  d.exp_avg = s.state0;
+  d.exp_avg_sq = s.state1;
+  d.param_copy = s.param_copy;
+  return d;
+}
+#endif
+
+#if !defined(STRATA_HAVE_CUDA_KERNELS)
+[[noreturn]] void no_cuda_kernels() {
+  STRATA_FAIL("the optimizer state of some families is on a CUDA device (device_optim_fraction), but strata was "
+              "built without its CUDA kernels; rebuild with the CUDA toolkit or set device_optim_fraction to 0");
+}
+#endif
+
+}  // namespace
+
 void StepPipeline::update_param(ManagedParam& p, const kernels::OptimSpans& s, float grad_scale, float lr,
                                 bool on_cuda) {
   const OptimizerConfig& o = ctx_.optimizer;
   const GroupSettings& g = ctx_.groups[p.group];
   p.steps += 1;
   if (s.n == 0) return;
-  if (on_cuda) {
-    update_on_cuda(o, g, p.steps, s, grad_scale, lr);
-    return;
-  }
+#if defined(STRATA_HAVE_CUDA_KERNELS)
+  const DType copy_dtype = s.param_copy != nullptr ? s.param_dtype : DType::kFloat32;
+#endif
   switch (o.kind) {
     case OptimizerKind::kAdamW:
     case OptimizerKind::kAdam: {
-      kernels::AdamParams ap;
-      ap.lr = lr;
-      ap.beta1 = static_cast<float>(g.beta1);
-      ap.beta2 = static_cast<float>(g.beta2);
-      ap.eps = static_cast<float>(g.eps);
-      ap.weight_decay = static_cast<float>(g.weight_decay);
-      ap.decoupled_weight_decay = o.kind == OptimizerKind::kAdamW;
-      ap.step = p.steps;
-      ap.grad_scale = grad_scale;
-      ap.grads_known_finite = true;  // grad_stats() checked every chunk
-      kernels::adam_step(ap, s);
+      const kernels::AdamParams ap = adam_params(o, g, p.steps, grad_scale, lr);
+      if (!on_cuda) {
+        kernels::adam_step(ap, s);
+        return;
+      }
+#if defined(STRATA_HAVE_CUDA_KERNELS)
+      const kernels::cuda::DeviceSpans d = device_spans(s);
+      kernels::cuda::multi_tensor_adam(ap, s.grad_dtype, copy_dtype, &d, 1, nullptr, nullptr);
       return;
+#else
+      no_cuda_kernels();
+#endif
     }
     case OptimizerKind::kLion: {
-      kernels::LionParams lp;
-      lp.lr = lr;
-      lp.beta1 = static_cast<float>(g.beta1);
-      lp.beta2 = static_cast<float>(g.beta2);
-      lp.weight_decay = static_cast<float>(g.weight_decay);
-      lp.grad_scale = grad_scale;
-      lp.grads_known_finite = true;
-      kernels::lion_step(lp, s);
+      const kernels::LionParams lp = lion_params(g, grad_scale, lr);
+      if (!on_cuda) {
+        kernels::lion_step(lp, s);
+        return;
+      }
+#if defined(STRATA_HAVE_CUDA_KERNELS)
+      kernels::cuda::lion_step(lp, s.grad_dtype, copy_dtype, device_spans(s), nullptr);
       return;
+#else
+      no_cuda_kernels();
+#endif
     }
     case OptimizerKind::kSgd: {
-      kernels::SgdParams sp;
-      sp.lr = lr;
-      sp.momentum = static_cast<float>(g.momentum);
-      sp.dampening = static_cast<float>(o.dampening);
-      sp.weight_decay = static_cast<float>(g.weight_decay);
-      sp.nesterov = o.nesterov;
-      sp.step = p.steps;
-      sp.grad_scale = grad_scale;
-      sp.grads_known_finite = true;
+      const kernels::SgdParams sp = sgd_params(o, g, p.steps, grad_scale, lr);
       kernels::OptimSpans spans = s;
       if (sp.momentum == 0.0f) spans.state0 = nullptr;  // a group without momentum keeps no buffer
-      kernels::sgd_step(sp, spans);
+      if (!on_cuda) {
+        kernels::sgd_step(sp, spans);
+        return;
+      }
+#if defined(STRATA_HAVE_CUDA_KERNELS)
+      kernels::cuda::sgd_step(sp, s.grad_dtype, copy_dtype, device_spans(spans), nullptr);
       return;
+#else
+      no_cuda_kernels();
+#endif
     }
   }
 }
@@ -326,64 +395,6 @@ void StepPipeline::update_split(float grad_scale, const std::vector<float>& lrs,
   EngineContext::settle(host_ahead);
   ctx_.wait.optimizer += host_waited;
   if (failure) std::rethrow_exception(failure);
-}
-
-// The CUDA kernels on the compute stream (the legacy default stream, where
-// LibTorch computes): the chunk manager orders later copies after them.
-void StepPipeline::update_on_cuda(const OptimizerConfig& o, const GroupSettings& g, int64_t step,
-                                  const kernels::OptimSpans& s, float grad_scale, float lr) {
-#if defined(STRATA_HAVE_CUDA_KERNELS)
-  kernels::cuda::DeviceSpans d;
-  d.n = s.n;
-  d.master = s.master;
-  d.grad = s.grad;
-  d.exp_avg = s.state0;
-  d.exp_avg_sq = s.state1;
-  d.param_copy = s.param_copy;
-  const DType param_dtype = s.param_copy != nullptr ? s.param_dtype : DType::kFloat32;
-  switch (o.kind) {
-    case OptimizerKind::kAdamW:
-    case OptimizerKind::kAdam: {
-      kernels::AdamParams ap;
-      ap.lr = lr;
-      ap.beta1 = static_cast<float>(g.beta1);
-      ap.beta2 = static_cast<float>(g.beta2);
-      ap.eps = static_cast<float>(g.eps);
-      ap.weight_decay = static_cast<float>(g.weight_decay);
-      ap.decoupled_weight_decay = o.kind == OptimizerKind::kAdamW;
-      ap.step = step;
-      ap.grad_scale = grad_scale;
-      kernels::cuda::multi_tensor_adam(ap, s.grad_dtype, param_dtype, &d, 1, nullptr, nullptr);
-      return;
-    }
-    case OptimizerKind::kLion: {
-      kernels::LionParams lp;
-      lp.lr = lr;
-      lp.beta1 = static_cast<float>(g.beta1);
-      lp.beta2 = static_cast<float>(g.beta2);
-      lp.weight_decay = static_cast<float>(g.weight_decay);
-      lp.grad_scale = grad_scale;
-      kernels::cuda::lion_step(lp, s.grad_dtype, param_dtype, d, nullptr);
-      return;
-    }
-    case OptimizerKind::kSgd: {
-      kernels::SgdParams sp;
-      sp.lr = lr;
-      sp.momentum = static_cast<float>(g.momentum);
-      sp.dampening = static_cast<float>(o.dampening);
-      sp.weight_decay = static_cast<float>(g.weight_decay);
-      sp.nesterov = o.nesterov;
-      sp.step = step;
-      sp.grad_scale = grad_scale;
-      kernels::cuda::sgd_step(sp, s.grad_dtype, param_dtype, d, nullptr);
-      return;
-    }
-  }
-#else
-  (void)o, (void)g, (void)step, (void)s, (void)grad_scale, (void)lr;
-  STRATA_FAIL("the optimizer state of some families is on a CUDA device (device_optim_fraction), but strata was "
-              "built without its CUDA kernels; rebuild with the CUDA toolkit or set device_optim_fraction to 0");
-#endif
 }
 
 bool StepPipeline::step(double& grad_norm) {

@@ -86,8 +86,6 @@ class StepPipeline {
   void update_family(size_t index, Tier tier, float grad_scale, const std::vector<float>& lrs,
                      const std::function<void()>& pinned_hook, double& waited);
   void update_param(ManagedParam& p, const kernels::OptimSpans& spans, float grad_scale, float lr, bool on_cuda);
-  void update_on_cuda(const OptimizerConfig& o, const GroupSettings& g, int64_t step, const kernels::OptimSpans& s,
-                      float grad_scale, float lr);
   void place_device_families();
   /// The update of every family, device families on this thread and the
   /// others on a worker; `after(i)` runs here for each family in order once
