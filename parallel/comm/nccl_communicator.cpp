@@ -232,6 +232,7 @@ class NcclCommunicator final : public Communicator {
   int rank() const override { return state_->rank; }
   int world_size() const override { return state_->size; }
   std::string backend() const override { return "nccl"; }
+  bool device_buffers() const override { return true; }
 
   WorkHandle all_reduce(void* buf, size_t count, DType dtype, ReduceOp op) override {
     const size_t bytes = count * dtype_size(dtype);

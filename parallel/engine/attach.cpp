@@ -114,6 +114,10 @@ Engine::Impl::Impl(torch::nn::Module& module, OptimizerConfig optimizer, EngineO
   if (ctx.data_parallel()) check_same_layout_on_every_rank(ctx);  // before any collective pairs buffers
 
   if (ctx.data_parallel()) reducer = std::make_unique<GradientReducer>(ctx);
+  if (reducer && ctx.comm_tier() == Tier::kDevice) {
+    // Reductions in flight pin gradient chunks on the device: an operator that finds no room waits for the oldest.
+    ctx.free_device = [r = reducer.get()] { return r->settle_oldest(); };
+  }
   sink = std::make_unique<GradSink>(ctx, reducer.get());
   access = std::make_unique<ParamAccess>(ctx, *sink);
   if (ctx.stage == 1 || ctx.stage == 2) step_gathers = std::make_unique<StepGathers>(ctx);
@@ -136,6 +140,7 @@ Engine::Impl::Impl(torch::nn::Module& module, OptimizerConfig optimizer, EngineO
 }
 
 Engine::Impl::~Impl() {
+  ctx.free_device = nullptr;  // the reducer goes before the context
   detach();
   if (ctx.mgr) ctx.mgr->set_placement_listener(nullptr);  // the residency goes before the manager
 }

@@ -62,7 +62,14 @@ std::pair<int64_t, int64_t> EngineContext::owned(const ManagedParam& p) const {
 }
 
 void EngineContext::pin(ChunkId chunk, Tier tier, const std::vector<size_t>& slots) {
-  mgr->access(chunk, tier);
+  for (;;) {
+    try {
+      mgr->access(chunk, tier);
+      break;
+    } catch (const Error&) {
+      if (tier != Tier::kDevice || !free_device || !free_device()) throw;
+    }
+  }
   size_t done = 0;
   try {
     for (; done < slots.size(); ++done) mgr->transition(chunk, slots[done], TensorState::kCompute);

@@ -90,6 +90,11 @@ struct EngineContext {
   // over (Note [Clipping across the tensor group]); null: none.
   Communicator* tensor_group = nullptr;
   Engine::DataWait wait;
+  // Called when a pin on the device tier finds no room: settles work that
+  // holds device chunks (the oldest gradient reduction in flight, Note
+  // [Chunks where the communicator reads them]) and says whether it did;
+  // the pin is then tried again. Null: nothing to settle.
+  std::function<bool()> free_device;
 
   bool data_parallel() const { return comm != nullptr && comm->world_size() > 1; }
   /// Under tensor parallelism, this tensor rank's part of checkpoint `dir`
@@ -104,6 +109,16 @@ struct EngineContext {
     return where && (*where == Tier::kDevice || (*where == Tier::kHost && device.is_cpu()));
   }
   int world() const { return comm ? comm->world_size() : 1; }
+  // Note [Chunks where the communicator reads them]
+  // Gradients are accumulated into their chunk, reduced over the ranks and
+  // read by the optimizer; ZeRO's parameter shards are gathered. With a
+  // communicator of device buffers (NCCL) those chunks are pinned on the
+  // device tier, so gradients stay on the GPU from the operator that makes
+  // them to the reduction, which reads them in place, overlapped with the
+  // rest of backward; the optimizer brings what it updates on the CPU to
+  // host afterwards (ZeRO-Offload). Otherwise (Gloo, one process) they are
+  // pinned on host, where the CPU optimizer and Gloo read them.
+  Tier comm_tier() const { return comm && comm->device_buffers() ? Tier::kDevice : Tier::kHost; }
   size_t elem_size() const { return dtype_size(options.precision); }
   ChunkId param_chunk(const ManagedParam& p) const { return mgr->family(p.family).param; }
   // See Note [ZeRO over chunks]: where a family's parameters and gradients

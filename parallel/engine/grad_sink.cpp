@@ -64,12 +64,14 @@ void GradSink::accumulate(size_t index, const torch::Tensor& grad) {
   std::lock_guard<std::mutex> lock(mu_);
   ManagedParam& p = ctx_.params[index];
   const ChunkId gc = ctx_.mgr->family(p.family).grad;
-  ctx_.pin(gc, Tier::kHost, {p.slot});
+  const Tier tier = ctx_.comm_tier();  // Note [Chunks where the communicator reads them]
+  ctx_.pin(gc, tier, {p.slot});
   try {
     torch::NoGradGuard no_grad;
+    const torch::Device where = tier == Tier::kDevice ? ctx_.device : torch::Device(torch::kCPU);
     torch::Tensor dst = torch::from_blob(static_cast<char*>(ctx_.mgr->data(gc)) + p.offset * ctx_.elem_size(),
-                                         {p.numel}, torch::TensorOptions().dtype(ctx_.compute));
-    dst.add_(grad.detach().to(torch::kCPU, ctx_.compute).reshape({p.numel}));
+                                         {p.numel}, torch::TensorOptions().dtype(ctx_.compute).device(where));
+    dst.add_(grad.detach().to(where, ctx_.compute).reshape({p.numel}));
   } catch (...) {
     ctx_.unpin(gc, {p.slot});
     throw;

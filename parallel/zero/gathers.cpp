@@ -132,14 +132,15 @@ void OperatorGathers::finish_rounds() {
   }
 }
 
-// Materialises the full chunk where operators read it (the device; on CUDA,
-// host first, since Gloo moves host memory) and all-gathers every rank's
-// shard into it.
+// Materialises the full chunk where operators read it (the device; on CUDA
+// with Gloo, host first, since Gloo moves host memory) and all-gathers every
+// rank's shard into it.
 void OperatorGathers::start(ChunkId c) {
   memory::ChunkManager& mgr = *ctx_.mgr;
   const ChunkId shard = *mgr.family(mgr.chunk(c).family()).param_shard;
-  const Tier where = mgr.device().kind() == offload::DeviceKind::kCuda ? Tier::kHost : Tier::kDevice;
-  ctx_.pin(shard, Tier::kHost, {0});
+  const bool host_only = mgr.device().kind() == offload::DeviceKind::kCuda && !comm_->device_buffers();
+  const Tier where = host_only ? Tier::kHost : Tier::kDevice;
+  ctx_.pin(shard, comm_->device_buffers() ? Tier::kDevice : Tier::kHost, {0});
   try {
     ctx_.pin(c, where, ctx_.all_slots(c));
   } catch (...) {
@@ -166,7 +167,7 @@ void OperatorGathers::start(ChunkId c) {
 void OperatorGathers::serve(ChunkId c) {
   memory::ChunkManager& mgr = *ctx_.mgr;
   const ChunkId shard = *mgr.family(mgr.chunk(c).family()).param_shard;
-  ctx_.with_on_host({shard}, [&] {
+  ctx_.with_on(comm_->device_buffers() ? Tier::kDevice : Tier::kHost, {shard}, [&] {
     const size_t elems = static_cast<size_t>(mgr.chunk(shard).capacity_elems());
     std::vector<char> scratch(elems * static_cast<size_t>(ctx_.world()) * dtype_size(ctx_.options.precision));
     comm_->all_gather(mgr.data(shard), scratch.data(), elems, ctx_.options.precision)->wait();
@@ -205,7 +206,7 @@ void OperatorGathers::release_all() {
 
 void StepGathers::start(memory::FamilyId f) {
   const memory::ChunkFamily& fam = ctx_.mgr->family(f);
-  ctx_.pin(fam.param, Tier::kHost, ctx_.all_slots(fam.param));
+  ctx_.pin(fam.param, ctx_.comm_tier(), ctx_.all_slots(fam.param));
   const int64_t shard = fam.layout->shards.shard_elems;
   ParamGather g;
   g.chunk = fam.param;

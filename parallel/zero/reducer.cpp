@@ -7,7 +7,7 @@ namespace strata::parallel {
 GradientReducer::GradientReducer(EngineContext& ctx) : ctx_(ctx) {}
 
 void GradientReducer::begin() {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::lock_guard<std::recursive_mutex> lock(mu_);
   arrived_.assign(ctx_.families.size(), 0);
   reductions_.assign(ctx_.families.size(), nullptr);
   cursor_ = ctx_.families.size();
@@ -15,7 +15,7 @@ void GradientReducer::begin() {
 }
 
 void GradientReducer::arrived(memory::FamilyId f) {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::lock_guard<std::recursive_mutex> lock(mu_);
   arrived_[ctx_.family_pos.at(f)] += 1;
   issue_ready();
   if (ctx_.stage >= 2) settle_done();
@@ -28,26 +28,19 @@ void GradientReducer::issue_ready() {
   }
 }
 
-// Pins `chunk` on host for a reduction. The reductions in flight hold host
-// memory (their full gradient chunks and shards, pinned): when the host
-// budget has no room, the oldest of them is waited for and settled (at
+// Pins `chunk` where the communicator reads it (Note [Chunks where the
+// communicator reads them]) for a reduction. The reductions in flight hold
+// that tier's memory (their full gradient chunks and shards, pinned): when
+// its budget has no room, the oldest of them is waited for and settled (at
 // stages 2-3 that releases its full gradient chunk), and the pin tried
 // again; with none left in flight the error stands.
 void GradientReducer::pin_for_reduction(ChunkId chunk, const std::vector<size_t>& slots) {
   for (;;) {
     try {
-      ctx_.pin(chunk, Tier::kHost, slots);
+      ctx_.pin(chunk, ctx_.comm_tier(), slots);
       return;
     } catch (const Error&) {
-      size_t oldest = reductions_.size();
-      for (size_t q = reductions_.size(); q-- > 0;) {
-        if (reductions_[q]) {
-          oldest = q;
-          break;
-        }
-      }
-      if (oldest == reductions_.size()) throw;
-      settle(oldest);
+      if (!settle_oldest()) throw;
     }
   }
 }
@@ -55,7 +48,7 @@ void GradientReducer::pin_for_reduction(ChunkId chunk, const std::vector<size_t>
 void GradientReducer::issue(size_t pos) {
   const memory::ChunkFamily& fam = ctx_.mgr->family(ctx_.families[pos]);
   const ChunkId gc = fam.grad;
-  pin_for_reduction(gc, ctx_.all_slots(gc));  // stays on host, unmoved, while the collective reads it
+  pin_for_reduction(gc, ctx_.all_slots(gc));  // stays put while the collective reads it
   if (fam.grad_shard) {
     try {
       pin_for_reduction(*fam.grad_shard, {0});
@@ -102,8 +95,19 @@ void GradientReducer::settle_done() {
   }
 }
 
+bool GradientReducer::settle_oldest() {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  for (size_t q = reductions_.size(); q-- > 0;) {  // issued in descending order: the highest is the oldest
+    if (reductions_[q]) {
+      settle(q);
+      return true;
+    }
+  }
+  return false;
+}
+
 void GradientReducer::abandon() noexcept {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::lock_guard<std::recursive_mutex> lock(mu_);
   active_ = false;
   for (size_t pos = 0; pos < reductions_.size(); ++pos) {
     try {
@@ -116,7 +120,7 @@ void GradientReducer::abandon() noexcept {
 
 void GradientReducer::finish() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::lock_guard<std::recursive_mutex> lock(mu_);
     active_ = false;
     while (cursor_ > 0) issue(--cursor_);
   }

@@ -42,6 +42,9 @@ class GradientReducer {
   /// After backward: the remaining families and the "has a gradient" flags,
   /// then every reduction waited for. The first failure is rethrown.
   void finish();
+  /// Waits for the oldest reduction in flight and unpins its chunks; false
+  /// when none is in flight. EngineContext::free_device calls it.
+  bool settle_oldest();
   /// A backward that threw (Note [A train_step that throws]): stops
   /// counting arrivals and waits for the reductions in flight, whatever their
   /// outcome, so no collective still reads a gradient chunk. Never throws.
@@ -55,7 +58,7 @@ class GradientReducer {
   void issue_ready();
 
   EngineContext& ctx_;
-  std::mutex mu_;
+  std::recursive_mutex mu_;  // settle_oldest may come from a pin inside issue()
   std::atomic<bool> active_{false};  // read by the autograd threads delivering gradients
   std::vector<size_t> arrived_;  // per family position; complete at params_of_chunk[its param chunk].size()
   // Per family position: null before it is issued (positions below cursor_)

@@ -29,6 +29,10 @@
 //   --device-optim  half the chunk families' optimizer state is updated on the
 //                   device while the rest is on the CPU (Note [The optimizer
 //                   where its state lives]); the gathers after it stay in order
+//   --device-buffers  the communicator says it takes device memory (NCCL
+//                   does): gradients are accumulated and reduced on the
+//                   device tier, shards gathered there, and training still
+//                   matches (Note [Chunks where the communicator reads them])
 //   --between       at step 1 every rank reads the gradients before the step
 //                   (Engine::grad, compared with the reference's); after step 2
 //                   every rank reads its parameters (compared
@@ -89,7 +93,48 @@ struct Options {
   bool between = false;   // reads and writes between steps
   int throw_at_step = -1;
   bool device_optim = false;  // half the families' optimizer state updated on the device
+  bool device_buffers = false;  // the communicator takes device memory, as NCCL (DeviceBufferGloo)
 };
+
+// Gloo presented as a communicator of device buffers, as NCCL is: the engine
+// then keeps the chunks it communicates on the device tier (Note [Chunks
+// where the communicator reads them]). On the emulated device that memory
+// is host memory, so Gloo's collectives read it as NCCL's would read a GPU's.
+class DeviceBufferGloo final : public Communicator {
+ public:
+  explicit DeviceBufferGloo(std::shared_ptr<Communicator> inner) : inner_(std::move(inner)) {}
+  int rank() const override { return inner_->rank(); }
+  int world_size() const override { return inner_->world_size(); }
+  std::string backend() const override { return inner_->backend(); }
+  bool device_buffers() const override { return true; }
+  WorkHandle all_reduce(void* b, size_t n, strata::DType d, ReduceOp op) override { return inner_->all_reduce(b, n, d, op); }
+  WorkHandle reduce_scatter(const void* i, void* o, size_t n, strata::DType d, ReduceOp op) override {
+    return inner_->reduce_scatter(i, o, n, d, op);
+  }
+  WorkHandle all_gather(const void* i, void* o, size_t n, strata::DType d) override { return inner_->all_gather(i, o, n, d); }
+  WorkHandle broadcast(void* b, size_t n, strata::DType d, int root) override { return inner_->broadcast(b, n, d, root); }
+  WorkHandle all_to_all(const void* i, void* o, size_t n, strata::DType d) override { return inner_->all_to_all(i, o, n, d); }
+  WorkHandle send(const void* b, size_t n, int peer, uint32_t tag) override { return inner_->send(b, n, peer, tag); }
+  WorkHandle recv(void* b, size_t n, int peer, uint32_t tag) override { return inner_->recv(b, n, peer, tag); }
+  WorkHandle barrier() override { return inner_->barrier(); }
+  std::unique_ptr<Communicator> split(const std::vector<int>& ranks, const std::string& name) override {
+    return std::make_unique<DeviceBufferGloo>(std::shared_ptr<Communicator>(inner_->split(ranks, name)));
+  }
+
+ private:
+  std::shared_ptr<Communicator> inner_;
+};
+
+// Gradient chunks (and shards) resident on the device tier now.
+int grads_on_device(Engine& engine) {
+  strata::memory::ChunkManager& mgr = engine.chunks();
+  int n = 0;
+  for (size_t c = 0; c < mgr.num_chunks(); ++c) {
+    const strata::memory::Chunk& chunk = mgr.chunk(static_cast<strata::memory::ChunkId>(c));
+    n += chunk.role() == strata::memory::ChunkRole::kGrad && chunk.location() == strata::memory::Tier::kDevice;
+  }
+  return n;
+}
 
 struct Outcome {
   double worst = 0;           // relative L2 difference from single-process training
@@ -101,7 +146,9 @@ struct Outcome {
 };
 
 // Trains a fresh model on every rank and its single-process reference.
-Outcome train(const std::shared_ptr<Communicator>& comm, const Options& opt) {
+Outcome train(const std::shared_ptr<Communicator>& plain, const Options& opt) {
+  const std::shared_ptr<Communicator> comm =
+      opt.device_buffers ? std::make_shared<DeviceBufferGloo>(plain) : plain;
   const int rank = comm->rank(), world = comm->world_size();
   torch::manual_seed(100 + rank);  // replicas start apart: attach broadcasts rank 0's parameters
   auto model = std::make_shared<Net>();
@@ -192,7 +239,15 @@ Outcome train(const std::shared_ptr<Communicator>& comm, const Options& opt) {
           }
         };
         const bool last = m + 1 == opt.accumulation;
-        engine->train_step(loss_fn, opt.between && s == 1 && last ? std::function<void()>(check_grads) : nullptr);
+        // --device-buffers: the reduced gradients are on the device tier when the step begins.
+        const auto grads_stay_on_device = [&] {
+          STRATA_CHECK(grads_on_device(*engine) > 0, "rank ", rank, ": no gradient chunk on the device tier before the "
+                       "step, with a communicator of device buffers");
+        };
+        std::function<void()> before;
+        if (opt.between && s == 1 && last) before = check_grads;
+        if (opt.device_buffers && last) before = grads_stay_on_device;
+        engine->train_step(loss_fn, before);
       }
       adamw.step();
       if (opt.between && s == 2) {
@@ -390,6 +445,7 @@ int main(int argc, char** argv) {
     if (a == "--branches") opt.branches = true;
     if (a == "--between") opt.between = true;
     if (a == "--device-optim") opt.device_optim = true;
+    if (a == "--device-buffers") opt.device_buffers = true;
     if (a == "--throw-at-step" && i + 1 < argc) opt.throw_at_step = std::atoi(argv[++i]);
     if (a == "--save-fails") save_fails = true;
     if (a == "--die-at-step" && i + 1 < argc) opt.die_at_step = std::atoi(argv[++i]);

@@ -69,6 +69,11 @@ class Communicator {
   virtual int rank() const = 0;
   virtual int world_size() const = 0;
   virtual std::string backend() const = 0;
+  /// Whether its collectives work on device memory (NCCL). The engine then
+  /// keeps the chunks it communicates (gradients, parameter shards) on the
+  /// device tier (Note [Chunks where the communicator reads them]). Host
+  /// buffers still work, staged.
+  virtual bool device_buffers() const { return false; }
 
   /// In place: `count` elements of `buf` become the reduction over ranks.
   /// Reductions take fp32, fp16 and bf16 (Gloo: Note [bf16 over Gloo]).
