@@ -480,7 +480,9 @@ void ChunkManager::transition(ChunkId id, size_t slot, TensorState to) {
   if (from == TensorState::kCompute) {
     --c.compute_count_;
     // The operators queued so far may still read or write it on the device.
-    if (c.location_ == Tier::kDevice) c.last_use_ = device_->compute_event();
+    // Only the last slot's release matters: a chunk with a slot in COMPUTE
+    // cannot move or be freed.
+    if (c.compute_count_ == 0 && c.location_ == Tier::kDevice) c.last_use_ = device_->compute_event();
   }
   c.states_[slot] = to;
 }

@@ -82,18 +82,10 @@ Engine::Impl::Impl(torch::nn::Module& module, OptimizerConfig optimizer, EngineO
   // Buffers and frozen parameters of a lazily constructed module keep memory of their own.
   for (const auto& [name, t] : frozen) materialize(t);
   for (const auto& b : module.buffers(/*recurse=*/true)) materialize(b);
-  std::unordered_set<const c10::TensorImpl*> placed_once;  // a buffer shared by two modules moves once
-  const auto place = [&](const torch::Tensor& t) {
-    if (!placed_once.insert(t.unsafeGetTensorImpl()).second) return;
-    const bool cast = t.is_floating_point() && t.scalar_type() != ctx.compute;
-    if (cast || t.device() != ctx.device) placed.push_back({t, t.scalar_type(), t.device()});
-  };
-  for (const auto& [name, t] : frozen) place(t);
-  for (const auto& b : module.buffers(/*recurse=*/true)) place(b);
-  for (const auto& [name, t] : frozen) module_state.push_back({name, t, t.scalar_type()});
+  for (const auto& [name, t] : frozen) module_state.push_back({name, t, t.scalar_type(), t.device()});
   for (const auto& item : module.named_buffers(/*recurse=*/true)) {
     if (!seen.insert(item.value().unsafeGetTensorImpl()).second) continue;  // a buffer shared by two modules
-    module_state.push_back({item.key(), item.value(), item.value().scalar_type()});
+    module_state.push_back({item.key(), item.value(), item.value().scalar_type(), item.value().device()});
   }
 
   // Note [Clipping across the tensor group]: which parameters are slices, and of which group.
@@ -114,9 +106,11 @@ Engine::Impl::Impl(torch::nn::Module& module, OptimizerConfig optimizer, EngineO
   if (ctx.data_parallel()) check_same_layout_on_every_rank(ctx);  // before any collective pairs buffers
 
   if (ctx.data_parallel()) reducer = std::make_unique<GradientReducer>(ctx);
-  if (reducer && ctx.comm_tier() == Tier::kDevice) {
-    // Reductions in flight pin gradient chunks on the device: an operator that finds no room waits for the oldest.
-    ctx.free_device = [r = reducer.get()] { return r->settle_oldest(); };
+  if (reducer) {
+    // Reductions in flight pin gradient chunks where the communicator reads
+    // them: a pin that finds that tier full (an operator's, the next
+    // reduction's) waits for the oldest.
+    ctx.make_room = [this](Tier tier) { return tier == ctx.comm_tier() && reducer->settle_oldest(); };
   }
   sink = std::make_unique<GradSink>(ctx, reducer.get());
   access = std::make_unique<ParamAccess>(ctx, *sink);
@@ -129,7 +123,10 @@ Engine::Impl::Impl(torch::nn::Module& module, OptimizerConfig optimizer, EngineO
 
   move_parameters_into_chunks(ctx);
   torch::NoGradGuard no_grad;
-  for (Placed& m : placed) m.tensor.set_data(to_compute(ctx, m.tensor));
+  for (ModuleState& m : module_state) {  // Note [Module state on the compute device]
+    const torch::Tensor placed = to_compute(ctx, m.tensor);
+    if (!placed.is_same(m.tensor)) m.tensor.set_data(placed);
+  }
 
   if (ctx.stage == 3) op_gathers = std::make_unique<OperatorGathers>(ctx);
   hook = std::make_unique<OpHook>(*this);
@@ -140,7 +137,7 @@ Engine::Impl::Impl(torch::nn::Module& module, OptimizerConfig optimizer, EngineO
 }
 
 Engine::Impl::~Impl() {
-  ctx.free_device = nullptr;  // the reducer goes before the context
+  ctx.make_room = nullptr;  // the reducer goes before the context
   detach();
   if (ctx.mgr) ctx.mgr->set_placement_listener(nullptr);  // the residency goes before the manager
 }
@@ -189,7 +186,10 @@ void Engine::Impl::detach() noexcept {
         p.tensor.set_data(owned);
       }
     }
-    for (Placed& m : placed) m.tensor.set_data(m.tensor.to(m.original_device, m.original));
+    for (ModuleState& m : module_state) {
+      const torch::Tensor back = m.tensor.to(m.original_device, m.original);
+      if (!back.is_same(m.tensor)) m.tensor.set_data(back);
+    }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "[strata error] could not give parameters their memory back: %s\n", e.what());
   }

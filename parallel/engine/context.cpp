@@ -67,7 +67,7 @@ void EngineContext::pin(ChunkId chunk, Tier tier, const std::vector<size_t>& slo
       mgr->access(chunk, tier);
       break;
     } catch (const Error&) {
-      if (tier != Tier::kDevice || !free_device || !free_device()) throw;
+      if (!make_room || !make_room(tier)) throw;
     }
   }
   size_t done = 0;

@@ -90,11 +90,12 @@ struct EngineContext {
   // over (Note [Clipping across the tensor group]); null: none.
   Communicator* tensor_group = nullptr;
   Engine::DataWait wait;
-  // Called when a pin on the device tier finds no room: settles work that
-  // holds device chunks (the oldest gradient reduction in flight, Note
-  // [Chunks where the communicator reads them]) and says whether it did;
-  // the pin is then tried again. Null: nothing to settle.
-  std::function<bool()> free_device;
+  // Called when a pin on `tier` finds no room: settles work that holds
+  // chunks pinned there (the oldest gradient reduction in flight, on the
+  // tier the communicator reads: Note [Chunks where the communicator reads
+  // them]) and says whether it did; the pin is then tried again. Null:
+  // nothing to settle.
+  std::function<bool(Tier)> make_room;
 
   bool data_parallel() const { return comm != nullptr && comm->world_size() > 1; }
   /// Under tensor parallelism, this tensor rank's part of checkpoint `dir`

@@ -44,13 +44,9 @@ struct Engine::Impl final : OpObserver {
   // beside the parameters, so attach moves them to the compute device (the
   // GPU under CUDA; nothing moves on the emulated device) and casts the
   // floating ones to the compute precision, as module->to(device, dtype)
-  // would. Detach gives each back its device and dtype. Inputs are the
-  // caller's: Engine::to_device places them the same way.
-  struct Placed {
-    torch::Tensor tensor;
-    torch::ScalarType original;
-    torch::Device original_device;
-  };
+  // would. Detach gives each back its device and dtype (both kept in
+  // `module_state`). Inputs are the caller's: Engine::to_device places them
+  // the same way.
 
   /// attach: packs the module's trainable parameters into chunk families and
   /// installs the hooks (attach.cpp).
@@ -84,15 +80,17 @@ struct Engine::Impl final : OpObserver {
   std::unique_ptr<StepPipeline> pipeline;
   std::unique_ptr<TraceRecorder> recorder;        // null: no trace
   std::unique_ptr<OpHook> hook;
-  std::vector<Placed> placed;  // buffers and frozen parameters moved or cast at attach
   std::vector<std::pair<std::string, torch::Tensor>> frozen;  // frozen parameters, for export_weights
-  // Buffers (BatchNorm statistics) and frozen parameters, by their module
-  // names, with the dtype they had before attach: the module state a
-  // checkpoint keeps beside the chunks (module_state.safetensors).
+  // Buffers (BatchNorm statistics) and frozen parameters, each once, by their
+  // module names, with the dtype and device they had before attach: the
+  // module state a checkpoint keeps beside the chunks
+  // (module_state.safetensors), and what detach gives back (Note [Module
+  // state on the compute device]).
   struct ModuleState {
     std::string name;
     torch::Tensor tensor;
     torch::ScalarType original;
+    torch::Device original_device{torch::kCPU};
   };
   std::vector<ModuleState> module_state;
   int micro_steps = 0;

@@ -138,9 +138,10 @@ void OperatorGathers::finish_rounds() {
 void OperatorGathers::start(ChunkId c) {
   memory::ChunkManager& mgr = *ctx_.mgr;
   const ChunkId shard = *mgr.family(mgr.chunk(c).family()).param_shard;
-  const bool host_only = mgr.device().kind() == offload::DeviceKind::kCuda && !comm_->device_buffers();
+  // Gloo on a GPU machine reads host memory only: the chunk is gathered there first.
+  const bool host_only = mgr.device().kind() == offload::DeviceKind::kCuda && ctx_.comm_tier() == Tier::kHost;
   const Tier where = host_only ? Tier::kHost : Tier::kDevice;
-  ctx_.pin(shard, comm_->device_buffers() ? Tier::kDevice : Tier::kHost, {0});
+  ctx_.pin(shard, ctx_.comm_tier(), {0});
   try {
     ctx_.pin(c, where, ctx_.all_slots(c));
   } catch (...) {
@@ -167,7 +168,7 @@ void OperatorGathers::start(ChunkId c) {
 void OperatorGathers::serve(ChunkId c) {
   memory::ChunkManager& mgr = *ctx_.mgr;
   const ChunkId shard = *mgr.family(mgr.chunk(c).family()).param_shard;
-  ctx_.with_on(comm_->device_buffers() ? Tier::kDevice : Tier::kHost, {shard}, [&] {
+  ctx_.with_on(ctx_.comm_tier(), {shard}, [&] {
     const size_t elems = static_cast<size_t>(mgr.chunk(shard).capacity_elems());
     std::vector<char> scratch(elems * static_cast<size_t>(ctx_.world()) * dtype_size(ctx_.options.precision));
     comm_->all_gather(mgr.data(shard), scratch.data(), elems, ctx_.options.precision)->wait();

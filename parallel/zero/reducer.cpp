@@ -28,30 +28,15 @@ void GradientReducer::issue_ready() {
   }
 }
 
-// Pins `chunk` where the communicator reads it (Note [Chunks where the
-// communicator reads them]) for a reduction. The reductions in flight hold
-// that tier's memory (their full gradient chunks and shards, pinned): when
-// its budget has no room, the oldest of them is waited for and settled (at
-// stages 2-3 that releases its full gradient chunk), and the pin tried
-// again; with none left in flight the error stands.
-void GradientReducer::pin_for_reduction(ChunkId chunk, const std::vector<size_t>& slots) {
-  for (;;) {
-    try {
-      ctx_.pin(chunk, ctx_.comm_tier(), slots);
-      return;
-    } catch (const Error&) {
-      if (!settle_oldest()) throw;
-    }
-  }
-}
-
 void GradientReducer::issue(size_t pos) {
   const memory::ChunkFamily& fam = ctx_.mgr->family(ctx_.families[pos]);
   const ChunkId gc = fam.grad;
-  pin_for_reduction(gc, ctx_.all_slots(gc));  // stays put while the collective reads it
+  // Pinned where the communicator reads them, unmoved while it does. A pin
+  // that finds no room waits for the oldest reduction (EngineContext::make_room).
+  ctx_.pin(gc, ctx_.comm_tier(), ctx_.all_slots(gc));
   if (fam.grad_shard) {
     try {
-      pin_for_reduction(*fam.grad_shard, {0});
+      ctx_.pin(*fam.grad_shard, ctx_.comm_tier(), {0});
     } catch (...) {
       ctx_.unpin(gc, ctx_.all_slots(gc));
       throw;

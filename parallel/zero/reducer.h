@@ -43,7 +43,7 @@ class GradientReducer {
   /// then every reduction waited for. The first failure is rethrown.
   void finish();
   /// Waits for the oldest reduction in flight and unpins its chunks; false
-  /// when none is in flight. EngineContext::free_device calls it.
+  /// when none is in flight. EngineContext::make_room calls it.
   bool settle_oldest();
   /// A backward that threw (Note [A train_step that throws]): stops
   /// counting arrivals and waits for the reductions in flight, whatever their
@@ -52,7 +52,6 @@ class GradientReducer {
 
  private:
   void issue(size_t pos);
-  void pin_for_reduction(ChunkId chunk, const std::vector<size_t>& slots);
   void settle(size_t pos);
   void settle_done();
   void issue_ready();
