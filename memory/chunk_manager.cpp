@@ -76,6 +76,14 @@ ChunkManager::ChunkManager(ChunkManagerOptions options)
 ChunkManager::~ChunkManager() {
   copier_.reset();  // finish prefetches first: they use the chunks below
   for (auto& c : chunks_) free_payload(*c);
+  for (HostFree& f : host_frees_) {
+    try {
+      f.after.synchronize();  // the copy still reads it
+    } catch (const std::exception&) {
+      // Nothing waits for that copy any more; the memory goes back regardless.
+    }
+    host_.deallocate(f.ptr);
+  }
 }
 
 // --- registration ----------------------------------------------------------
@@ -224,6 +232,7 @@ void* ChunkManager::access(ChunkId id, Tier tier) {
   Lock lock(mu_);
   STRATA_CHECK(tier != Tier::kNvme, "chunks are accessed on device or host; use move() to offload to nvme");
   Chunk& c = chunk_locked(id);
+  settle_host_frees(lock, /*wait=*/false);
   wait_idle(c, lock);
   move_locked(c, tier, lock);
   policy_->on_access(c.id_, tier);
@@ -233,6 +242,7 @@ void* ChunkManager::access(ChunkId id, Tier tier) {
 void ChunkManager::move(ChunkId id, Tier tier) {
   Lock lock(mu_);
   Chunk& c = chunk_locked(id);
+  settle_host_frees(lock, /*wait=*/false);
   wait_idle(c, lock);
   move_locked(c, tier, lock);
 }
@@ -315,6 +325,7 @@ void ChunkManager::transfer(Chunk& c, Tier to, Lock& lock) {
   void* src = c.ptr_;
   const ChunkId key = c.id_;
   const offload::DeviceEvent last_use = c.last_use_;
+  offload::DeviceEvent arrival;  // Note [Arrivals on the device]
   lock.unlock();  // the bytes move without the lock; `c` is busy, so nobody else touches it
   std::exception_ptr failure;
   try {
@@ -333,7 +344,9 @@ void ChunkManager::transfer(Chunk& c, Tier to, Lock& lock) {
     } else if (from == Tier::kNvme) {
       nvme_->read(key, dst, bytes);
     } else if (to == Tier::kDevice) {
-      device_->copy_from_host(dst, src, bytes);
+      // Note [Arrivals on the device]: the operators wait for the copy, not this thread.
+      arrival = device_->copy_from_host_async(dst, src, bytes);
+      device_->compute_wait(arrival);
     } else {
       device_->copy_to_host(dst, src, bytes, last_use);  // after the operators that wrote it
     }
@@ -355,9 +368,10 @@ void ChunkManager::transfer(Chunk& c, Tier to, Lock& lock) {
     idle_.notify_all();
     std::rethrow_exception(failure);
   }
-  free_payload(c);
+  free_payload(c, arrival);  // a host source goes back once the copy read it
   c.ptr_ = dst;
   c.location_ = to;
+  c.last_use_ = arrival;
   placed(c);
   moves_.bytes[static_cast<int>(from)][static_cast<int>(to)] += bytes;
   moves_.count[static_cast<int>(from)][static_cast<int>(to)] += 1;
@@ -373,6 +387,8 @@ void ChunkManager::make_room(Tier tier, size_t bytes, const Chunk& requester, Lo
                requester.describe(), " (", format_bytes(bytes), "); raise the ", tier_name(tier),
                " budget or lower the chunk size");
   while (s.used + bytes > s.budget) {
+    // Sources of copies still in flight to the device go back before anything is evicted.
+    if (tier == Tier::kHost && settle_host_frees(lock, /*wait=*/true)) continue;
     std::vector<ChunkId> candidates;
     if (tier != Tier::kNvme) {
       for (const auto& c : chunks_) {
@@ -410,20 +426,55 @@ void* ChunkManager::allocate(Tier tier, size_t bytes) {
   return ptr;
 }
 
-void ChunkManager::free_payload(Chunk& c) noexcept {
+void ChunkManager::free_payload(Chunk& c, const offload::DeviceEvent& host_after) noexcept {
   if (!c.location_) return;
   const Tier tier = *c.location_;
   const size_t bytes = c.alloc_bytes();
+  int64_t freed = static_cast<int64_t>(bytes);
   switch (tier) {
     case Tier::kDevice: device_->deallocate(c.ptr_, c.last_use_); break;  // reused after its last use
-    case Tier::kHost: host_.deallocate(c.ptr_); break;
+    case Tier::kHost:
+      if (host_after.query()) {
+        host_.deallocate(c.ptr_);
+      } else {
+        host_frees_.push_back(HostFree{c.ptr_, bytes, host_after});  // still counted (Note [Arrivals on the device])
+        freed = 0;
+      }
+      break;
     case Tier::kNvme: nvme_->discard(c.id_); break;
   }
-  account(tier, -static_cast<int64_t>(bytes), -1);
+  account(tier, -freed, -1);
   c.ptr_ = nullptr;
   c.location_.reset();
   c.last_use_ = offload::DeviceEvent();
   policy_->on_leave(c.id_, tier);
+}
+
+bool ChunkManager::settle_host_frees(Lock& lock, bool wait) {
+  if (host_frees_.empty()) return false;
+  if (wait && !host_frees_.front().after.query()) {
+    const offload::DeviceEvent oldest = host_frees_.front().after;
+    lock.unlock();
+    try {
+      oldest.synchronize();
+    } catch (const std::exception&) {
+      // The failed copy is reported where the compute stream waits for it; its source can go.
+    }
+    lock.lock();
+  }
+  bool freed = false;
+  for (auto it = host_frees_.begin(); it != host_frees_.end();) {
+    if (!it->after.query()) {
+      ++it;
+      continue;
+    }
+    host_.deallocate(it->ptr);
+    account(Tier::kHost, -static_cast<int64_t>(it->bytes), 0);
+    it = host_frees_.erase(it);
+    freed = true;
+  }
+  if (freed) idle_.notify_all();  // room on host
+  return freed;
 }
 
 void ChunkManager::set_placement_listener(PlacementListener listener) {
@@ -446,6 +497,7 @@ void ChunkManager::account(Tier tier, int64_t bytes, int64_t chunks) {
 void ChunkManager::release(ChunkId id) {
   Lock lock(mu_);
   Chunk& c = chunk_locked(id);
+  settle_host_frees(lock, /*wait=*/false);
   wait_idle(c, lock);
   STRATA_CHECK(c.movable(), "cannot release ", c.describe(), ": ", c.compute_count_,
                " of its tensors are in COMPUTE");
@@ -558,6 +610,7 @@ uint64_t ChunkManager::set_budget(Tier tier, uint64_t bytes) {
   TierStats& s = stats_[static_cast<int>(tier)];
   bytes = std::min(bytes, budgets_.of(tier));
   while (s.used > bytes) {
+    if (tier == Tier::kHost && settle_host_frees(lock, /*wait=*/true)) continue;
     std::vector<ChunkId> candidates;
     for (const auto& c : chunks_) {
       if (c->location_ == tier && c->movable() && !c->busy_ && !c->gathered_) candidates.push_back(c->id_);

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstdint>
 #include <thread>
+#include <mutex>
 #include <numeric>
 #include <vector>
 
@@ -417,13 +418,9 @@ TEST(ChunkManager, ReadAndWriteCheckSizes) {
   EXPECT_THROW(mgr.chunk(99), Error);
 }
 
-// The emulated device whose operators are still running when they return, as
-// a GPU's queued kernels are: compute_event() gives an event the test
-// completes. Everything else is the emulated device's.
-class RunningComputeDevice final : public offload::DeviceMemory {
+// The emulated device, every member forwarded: tests override what they change.
+class ForwardingDevice : public offload::DeviceMemory {
  public:
-  std::shared_ptr<offload::testing::ManualEvent> running = std::make_shared<offload::testing::ManualEvent>();
-
   offload::DeviceKind kind() const noexcept override { return inner_->kind(); }
   std::string name() const override { return inner_->name(); }
   size_t alignment() const noexcept override { return inner_->alignment(); }
@@ -439,13 +436,126 @@ class RunningComputeDevice final : public offload::DeviceMemory {
     return inner_->copy_to_host_async(d, s, n, a);
   }
   void fill_zero(void* p, size_t n) override { inner_->fill_zero(p, n); }
-  offload::DeviceEvent compute_event() override { return offload::DeviceEvent(running); }
+  offload::DeviceEvent compute_event() override { return inner_->compute_event(); }
   void compute_wait(const offload::DeviceEvent& e) override { inner_->compute_wait(e); }
   bool host_accessible() const noexcept override { return true; }
 
- private:
+ protected:
   std::unique_ptr<offload::DeviceMemory> inner_ = offload::make_emulated_device_memory();
 };
+
+// Operators still running when they return, as a GPU's queued kernels are:
+// compute_event() gives an event the test completes.
+class RunningComputeDevice final : public ForwardingDevice {
+ public:
+  std::shared_ptr<offload::testing::ManualEvent> running = std::make_shared<offload::testing::ManualEvent>();
+  offload::DeviceEvent compute_event() override { return offload::DeviceEvent(running); }
+};
+
+// Uploads that land only when the test opens the gate, and a compute stream
+// that waits for an event without blocking the thread that asks, as a GPU's
+// (cudaStreamWaitEvent): the events it was asked to wait for are recorded.
+class GatedUploadDevice final : public ForwardingDevice {
+ public:
+  std::shared_ptr<offload::testing::ManualEvent> gate = std::make_shared<offload::testing::ManualEvent>();
+  offload::DeviceEvent copy_from_host_async(void* d, const void* s, size_t n, const offload::DeviceEvent& a) override {
+    EXPECT_FALSE(a.pending() && !a.query()) << "uploads here follow nothing unfinished";
+    return inner_->copy_from_host_async(d, s, n, offload::DeviceEvent(gate));
+  }
+  void compute_wait(const offload::DeviceEvent& e) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    waits_.push_back(e);
+  }
+  std::vector<offload::DeviceEvent> waits() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return waits_;
+  }
+
+ private:
+  mutable std::mutex mu_;
+  std::vector<offload::DeviceEvent> waits_;
+};
+
+// Whether `done` turns true within `limit`.
+bool turns_true_within(const std::atomic<bool>& done, std::chrono::milliseconds limit) {
+  const auto until = std::chrono::steady_clock::now() + limit;
+  while (!done.load() && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return done.load();
+}
+
+// Note [Arrivals on the device]: bringing a chunk to the device queues the
+// copy and makes compute wait for it; the caller goes on, the host source is
+// kept (and counted) until the copy read it, and a copy out of the chunk
+// waits for the arrival.
+TEST(ChunkManager, ComputeWaitsForAChunksArrivalNotTheCaller) {
+  auto device = std::make_shared<GatedUploadDevice>();
+  ChunkManagerOptions o = options(kPage, 4 * kPage);
+  o.device = device;
+  ChunkManager mgr(std::move(o));
+  const std::vector<ChunkId> ids = add_chunks(mgr, 2);
+  fill(mgr, ids[0], Tier::kHost);
+  fill(mgr, ids[1], Tier::kHost);
+  std::atomic<bool> accessed{false};
+  std::thread caller([&] {
+    mgr.access(ids[0], Tier::kDevice);
+    accessed = true;
+  });
+  const bool returned = turns_true_within(accessed, std::chrono::seconds(5));
+  EXPECT_TRUE(returned) << "access() waited for the upload on the host";
+  EXPECT_EQ(mgr.chunk(ids[0]).location(), Tier::kDevice);
+  const std::vector<offload::DeviceEvent> waits = device->waits();
+  ASSERT_EQ(waits.size(), 1u) << "compute was not told to wait for the arrival";
+  EXPECT_FALSE(waits[0].query()) << "the event compute waits for is not the pending upload";
+  EXPECT_EQ(mgr.tier_stats(Tier::kHost).used, 2 * kPage) << "the upload's source must stay until it is read";
+  EXPECT_EQ(mgr.tier_stats(Tier::kHost).chunks, 1);
+
+  std::atomic<bool> evicted{false};
+  std::thread next([&] {
+    mgr.access(ids[1], Tier::kDevice);  // evicts ids[0]: one chunk fits
+    evicted = true;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  EXPECT_FALSE(evicted.load()) << "the eviction copied the chunk off the device before it arrived";
+  device->gate->complete();
+  caller.join();
+  next.join();
+  EXPECT_EQ(mgr.chunk(ids[0]).location(), Tier::kHost);
+  EXPECT_EQ(contents(mgr, ids[0]), pattern(ids[0])) << "the host copy is not what arrived";
+  EXPECT_EQ(contents(mgr, ids[1]), pattern(ids[1]));
+  mgr.release(ids[0]);  // also gives back the sources whose uploads completed
+  EXPECT_EQ(mgr.tier_stats(Tier::kHost).used, 0u);
+  EXPECT_LE(mgr.tier_stats(Tier::kHost).peak, 4 * kPage);
+}
+
+// A host tier short of room takes back the sources of finished uploads
+// before it evicts anything, waiting for them if it must; the budget holds.
+TEST(ChunkManager, AHostTierShortOfRoomWaitsForUploadsStillReadingIt) {
+  auto device = std::make_shared<GatedUploadDevice>();
+  ChunkManagerOptions o = options(2 * kPage, kPage);
+  o.device = device;
+  ChunkManager mgr(std::move(o));
+  const std::vector<ChunkId> ids = add_chunks(mgr, 2);
+  fill(mgr, ids[0], Tier::kHost);
+  mgr.access(ids[0], Tier::kDevice);
+  EXPECT_EQ(mgr.tier_stats(Tier::kHost).used, kPage);
+  std::atomic<bool> placed{false};
+  std::thread t([&] {
+    mgr.access(ids[1], Tier::kHost);
+    placed = true;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  EXPECT_FALSE(placed.load()) << "a chunk took the room of an upload's source still being read";
+  device->gate->complete();
+  t.join();
+  EXPECT_EQ(mgr.chunk(ids[0]).location(), Tier::kDevice) << "nothing had to be evicted";
+  EXPECT_EQ(mgr.chunk(ids[1]).location(), Tier::kHost);
+  EXPECT_EQ(mgr.tier_stats(Tier::kHost).used, kPage);
+  EXPECT_EQ(mgr.tier_stats(Tier::kHost).peak, kPage);
+  EXPECT_EQ(mgr.tier_stats(Tier::kHost).evictions, 0u);
+  EXPECT_EQ(contents(mgr, ids[0]), pattern(ids[0]));
+}
 
 // Note [Copy streams and events]: an eviction copies a chunk off the device
 // only after the operators that used it ran, and its memory is not handed to

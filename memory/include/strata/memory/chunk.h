@@ -118,9 +118,10 @@ class Chunk {
   std::vector<TensorState> states_;
   int compute_count_ = 0;
   bool busy_ = false;  // part of the move in progress: never an eviction candidate
-  // On the device tier: the compute-stream event of the last operator that
-  // used the payload (Note [Copy streams and events]); copies out of it and
-  // the reuse of its memory wait for it.
+  // On the device tier: the event of the last device work on the payload,
+  // the operator that used it last (Note [Copy streams and events]) or the
+  // copy that brought it (Note [Arrivals on the device]); copies out of it
+  // and the reuse of its memory wait for it.
   offload::DeviceEvent last_use_;
   bool shard_ = false;
   bool gathered_ = false;

@@ -29,6 +29,22 @@
 // the copy fails, the source is still the valid payload. When every chunk on a
 // full tier is busy or pinned, a request waits for moves leaving or arriving on
 // that tier and fails only if none is in flight.
+//
+// Note [Arrivals on the device]
+// A host -> device move queues its copy on the device's copy stream and makes
+// the compute stream wait for the copy's event (DeviceMemory::compute_wait);
+// the thread that asked does not wait for the bytes. On a GPU the operators
+// queued next run after the copy, and access() returns at once; on the
+// emulated device the compute stream is the calling thread, so it waits
+// there. The chunk is resident from then on, and its last_use_ is the copy's
+// event, so a copy out of it, a write into it or the reuse of its memory
+// waits for the arrival as for an operator. The host payload it came from is
+// the copy's source: it stays allocated, and counted against the host budget,
+// until the event completes (host_frees_). Completed ones are given back at
+// the next access, move or release; a host tier short of room waits for the
+// oldest before it evicts anything. A copy that fails surfaces where the
+// compute stream waits (a strata::Error on the emulated device; CUDA's
+// sticky error on a GPU).
 
 #include <array>
 #include <condition_variable>
@@ -172,7 +188,12 @@ class ChunkManager {
   void materialize(Chunk& c, Tier to, Lock& lock);
   void make_room(Tier tier, size_t bytes, const Chunk& requester, Lock& lock);
   void* allocate(Tier tier, size_t bytes);
-  void free_payload(Chunk& c) noexcept;
+  /// `host_after`: on host, the payload is given back only once it completes
+  /// (the copy reading it, Note [Arrivals on the device]).
+  void free_payload(Chunk& c, const offload::DeviceEvent& host_after = {}) noexcept;
+  /// Gives back the host payloads whose copies completed; with `wait`, first
+  /// waits (the lock released) for the oldest one. False when there were none.
+  bool settle_host_frees(Lock& lock, bool wait);
   void account(Tier tier, int64_t bytes, int64_t chunks);
   void placed(const Chunk& c) const;
   std::string residency_report_locked(Tier tier) const;
@@ -192,6 +213,12 @@ class ChunkManager {
   std::array<int, kNumTiers> incoming_{};  // moves in flight arriving on each tier
   mutable MoveStats moves_;
   PlacementListener placement_listener_;
+  struct HostFree {
+    void* ptr;
+    size_t bytes;
+    offload::DeviceEvent after;
+  };
+  std::vector<HostFree> host_frees_;  // Note [Arrivals on the device]
   std::unique_ptr<offload::CopyEngine> copier_;  // last: its jobs use everything above
 };
 
