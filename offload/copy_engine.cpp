@@ -35,6 +35,11 @@ size_t CopyEngine::queued() const {
   return queue_.size();
 }
 
+size_t CopyEngine::in_flight() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return queue_.size() + running_;
+}
+
 void CopyEngine::work() {
   for (;;) {
     std::packaged_task<void()> task;
@@ -44,8 +49,11 @@ void CopyEngine::work() {
       if (queue_.empty()) return;  // stopping, and everything queued ran
       task = std::move(queue_.front());
       queue_.pop_front();
+      ++running_;
     }
     task();  // exceptions land in the ticket
+    std::lock_guard<std::mutex> lock(mu_);
+    --running_;
   }
 }
 

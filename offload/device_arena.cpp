@@ -134,10 +134,11 @@ bool DeviceArena::reap_locked(bool wait_oldest) {
 }
 
 void DeviceArena::release_empty_locked(uint64_t until_reserved) {
-  for (auto it = segments_.end(); it != segments_.begin();) {  // highest addresses first
+  uint64_t reserved = reserved_locked();
+  for (auto it = segments_.end(); it != segments_.begin() && reserved > until_reserved;) {  // highest first
     --it;
-    if (reserved_locked() <= until_reserved) return;
     if (it->second.extents->used() != 0) continue;
+    reserved -= it->second.bytes;
     backing_.release(reinterpret_cast<void*>(it->first), it->second.bytes);
     it = segments_.erase(it);
   }

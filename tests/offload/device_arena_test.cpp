@@ -215,11 +215,40 @@ TEST(EmulatedStreams, AFailedEventFailsTheCopyAfterItAndLeavesTheDestination) {
 TEST(EmulatedStreams, ComputeIsTheCallingThread) {
   auto dev = make_emulated_device_memory();
   EXPECT_TRUE(dev->compute_event().query()) << "work on the calling thread is done when it returns";
-  std::vector<float> src(1 << 16, 5.0f);
-  void* d = dev->allocate(src.size() * 4);
-  const DeviceEvent up = dev->copy_from_host_async(d, src.data(), src.size() * 4);
+  constexpr size_t n = 1 << 16;
+  std::vector<float> ones(n, 1.0f), twos(n, 2.0f), fives(n, 5.0f);
+  void* d = dev->allocate(n * 4);
+  dev->copy_from_host(d, ones.data(), n * 4);
+  auto gate = std::make_shared<ManualEvent>();
+  dev->copy_from_host_async(d, twos.data(), n * 4, DeviceEvent(gate));
+  const DeviceEvent up = dev->copy_from_host_async(d, fives.data(), n * 4);  // queued behind the gated one
+  EXPECT_FALSE(up.query());
+  std::thread opener([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    gate->complete();
+  });
   dev->compute_wait(up);  // what an operator does before reading a chunk that was brought
-  EXPECT_EQ(static_cast<float*>(d)[src.size() - 1], 5.0f);
+  EXPECT_EQ(static_cast<float*>(d)[n - 1], 5.0f) << "compute went on before the copy it waits for";
+  opener.join();
+  dev->deallocate(d);
+}
+
+TEST(EmulatedStreams, ACopyWithNothingBeforeItIsDoneOnTheCallingThread) {
+  auto dev = make_emulated_device_memory();
+  std::vector<float> src(1024, 4.0f), back(1024, 0.0f);
+  void* d = dev->allocate(4096);
+  const DeviceEvent up = dev->copy_from_host_async(d, src.data(), 4096);
+  EXPECT_FALSE(up.pending()) << "an idle stream handed the copy to its worker";
+  EXPECT_EQ(static_cast<float*>(d)[1023], 4.0f);
+  auto gate = std::make_shared<ManualEvent>();
+  const DeviceEvent held = dev->copy_to_host_async(back.data(), d, 4096, DeviceEvent(gate));
+  const DeviceEvent after = dev->copy_to_host_async(back.data(), d, 4096);  // the stream is busy: it queues
+  EXPECT_TRUE(after.pending());
+  EXPECT_FALSE(after.query()) << "a copy overtook the one before it on its stream";
+  gate->complete();
+  after.synchronize();
+  EXPECT_TRUE(held.query());
+  EXPECT_EQ(back[1023], 4.0f);
   dev->deallocate(d);
 }
 

@@ -35,6 +35,8 @@ class CopyEngine {
     return ticket.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
   }
   size_t queued() const;
+  /// Jobs queued or running.
+  size_t in_flight() const;
 
  private:
   void work();
@@ -43,6 +45,7 @@ class CopyEngine {
   std::condition_variable cv_;
   std::deque<std::packaged_task<void()>> queue_;
   bool stop_ = false;
+  size_t running_ = 0;
   std::vector<std::thread> workers_;
 };
 
