@@ -31,10 +31,13 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "strata/core/error.h"
@@ -75,6 +78,56 @@ ncclRedOp_t nccl_op(ReduceOp op) {
 }
 
 
+// Device buffers for staging host memory (Note [Host buffers on NCCL]),
+// kept for the next operation instead of a cudaMalloc and cudaFree each.
+// Reuse needs no event: every operation runs on the communicator's one
+// stream, so a buffer's next collective queues after its last one.
+class StagingPool {
+ public:
+  StagingPool() = default;
+  StagingPool(const StagingPool&) = delete;
+  StagingPool& operator=(const StagingPool&) = delete;
+  ~StagingPool() {
+    for (auto& [bytes, p] : free_) cudaFree(p);
+  }
+  /// A buffer of at least `bytes` (rounded up to a power of two, at least 1 MiB).
+  std::pair<void*, size_t> take(size_t bytes) {
+    size_t size = size_t{1} << 20;
+    while (size < bytes) size *= 2;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      const auto it = free_.find(size);
+      if (it != free_.end()) {
+        void* p = it->second;
+        cached_ -= size;
+        free_.erase(it);
+        return {p, size};
+      }
+    }
+    void* p = nullptr;
+    STRATA_CUDA_OK(cudaMalloc(&p, size));
+    return {p, size};
+  }
+  /// Keeps it while the pool holds at most kCachedBytes; frees it otherwise.
+  void give(void* p, size_t size) noexcept {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (cached_ + size <= kCachedBytes) {
+        free_.emplace(size, p);
+        cached_ += size;
+        return;
+      }
+    }
+    cudaFree(p);
+  }
+
+ private:
+  static constexpr size_t kCachedBytes = size_t{256} << 20;
+  std::mutex mu_;
+  std::multimap<size_t, void*> free_;
+  size_t cached_ = 0;
+};
+
 // What the communicator and its Work handles share: the NCCL communicator,
 // its stream, and the broken state after a failure or timeout.
 struct NcclState {
@@ -86,6 +139,7 @@ struct NcclState {
   std::chrono::milliseconds timeout{0};
   std::mutex mu;
   std::string broken;  // non-empty once an operation failed
+  StagingPool staging;  // freed after the body below destroyed the stream (cudaFree waits for the device)
 
   ~NcclState() {
     if (comm != nullptr) {
@@ -106,17 +160,20 @@ struct NcclState {
 // communicator's stream before the collective, and the result copied back
 // to the host buffer when the operation is waited for (Work::wait), so a
 // dead peer is still a timeout, not a copy that never returns. Device
-// buffers are used as they are.
+// buffers are used as they are. The staging buffers come from a pool of the
+// communicator's (StagingPool).
 struct Staging {
+  std::shared_ptr<NcclState> state;  // whose pool the buffer goes back to
   void* device = nullptr;   // the operation's device buffer, or null: none needed
+  size_t device_bytes = 0;
   void* host_out = nullptr;  // where the result goes back
   size_t out_offset = 0;     // of the result in `device`
   size_t out_bytes = 0;
-  Staging() = default;
+  explicit Staging(std::shared_ptr<NcclState> s) : state(std::move(s)) {}
   Staging(const Staging&) = delete;
   Staging& operator=(const Staging&) = delete;
   ~Staging() {
-    if (device != nullptr) cudaFree(device);
+    if (device != nullptr) state->staging.give(device, device_bytes);
   }
 };
 
@@ -355,9 +412,9 @@ class NcclCommunicator final : public Communicator {
     std::unique_ptr<Staging> staging;
     const bool stage_in = in_bytes > 0 && !on_device(in), stage_out = out_bytes > 0 && !on_device(out);
     if (stage_in || stage_out) {
-      staging = std::make_unique<Staging>();
+      staging = std::make_unique<Staging>(state_);
       const size_t in_room = in_place ? 0 : (in_bytes + 255) / 256 * 256;
-      STRATA_CUDA_OK(cudaMalloc(&staging->device, std::max<size_t>(in_room + std::max(in_bytes, out_bytes), 1)));
+      std::tie(staging->device, staging->device_bytes) = state_->staging.take(in_room + std::max(in_bytes, out_bytes));
       char* dev_in = static_cast<char*>(staging->device);
       char* dev_out = dev_in + in_room;
       if (stage_in) {
