@@ -4,9 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
-#include <condition_variable>
 #include <future>
-#include <mutex>
 
 #include "../zero/gathers.h"
 #include "grad_sink.h"
@@ -336,35 +334,28 @@ void StepPipeline::update_param(ManagedParam& p, const kernels::OptimSpans& s, f
 void StepPipeline::update_split(float grad_scale, const std::vector<float>& lrs,
                                 const std::function<void(size_t)>& after) {
   const size_t n = ctx_.families.size();
-  std::mutex mu;
-  std::condition_variable cv;
-  size_t host_done = 0;  // host families updated, in order
-  bool host_failed = false;
   std::vector<size_t> host_families;
   for (size_t i = 0; i < n; ++i) {
     if (!optim_on_device_[i]) host_families.push_back(i);
   }
+  // One promise per host family, kept by the worker in order; a failure is
+  // handed to the family it struck and to every one after it.
+  std::vector<std::promise<void>> host_updated(host_families.size());
   double host_waited = 0.0;
   std::vector<offload::CopyTicket> host_ahead;
   std::future<void> host = std::async(std::launch::async, [&] {
+    size_t k = 0;
     try {
-      for (size_t k = 0; k < host_families.size(); ++k) {
+      for (; k < host_families.size(); ++k) {
         update_family(host_families[k], Tier::kHost, grad_scale, lrs, [&] {
           if (k + 1 < host_families.size() && ctx_.options.prefetch) {
             ctx_.read_ahead(ctx_.step_members(ctx_.families[host_families[k + 1]]), host_ahead, /*only_into_free=*/true);
           }
         }, host_waited);
-        std::lock_guard<std::mutex> lock(mu);
-        ++host_done;
-        cv.notify_all();
+        host_updated[k].set_value();
       }
     } catch (...) {
-      {
-        std::lock_guard<std::mutex> lock(mu);
-        host_failed = true;
-      }
-      cv.notify_all();
-      throw;
+      for (; k < host_families.size(); ++k) host_updated[k].set_exception(std::current_exception());
     }
   });
   // Device families here, while the host ones run; then every family's
@@ -374,24 +365,15 @@ void StepPipeline::update_split(float grad_scale, const std::vector<float>& lrs,
     for (size_t i = 0; i < n; ++i) {
       if (optim_on_device_[i]) update_family(i, Tier::kDevice, grad_scale, lrs, [] {}, ctx_.wait.optimizer);
     }
-    size_t host_seen = 0;
+    size_t k = 0;
     for (size_t i = 0; i < n; ++i) {
-      if (!optim_on_device_[i]) {
-        std::unique_lock<std::mutex> lock(mu);
-        cv.wait(lock, [&] { return host_done > host_seen || host_failed; });
-        if (host_done <= host_seen) break;  // the host worker failed: its error is rethrown below
-        ++host_seen;
-      }
+      if (!optim_on_device_[i]) host_updated[k++].get_future().get();  // rethrows the worker's failure
       after(i);
     }
   } catch (...) {
     failure = std::current_exception();
   }
-  try {
-    host.get();
-  } catch (...) {
-    if (!failure) failure = std::current_exception();
-  }
+  host.get();  // the worker keeps its failures in the promises; this only waits for it
   EngineContext::settle(host_ahead);
   ctx_.wait.optimizer += host_waited;
   if (failure) std::rethrow_exception(failure);
