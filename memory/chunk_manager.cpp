@@ -362,7 +362,8 @@ void ChunkManager::transfer(Chunk& c, Tier to, Lock& lock) {
       nvme_->discard(key);
       account(Tier::kNvme, -static_cast<int64_t>(bytes), -1);
     } else {
-      (to == Tier::kDevice ? device_->deallocate(dst) : host_.deallocate(dst));
+      // A device destination is reused only after an upload that may still be writing it.
+      (to == Tier::kDevice ? device_->deallocate(dst, arrival) : host_.deallocate(dst));
       account(to, -static_cast<int64_t>(bytes), -1);
     }
     idle_.notify_all();
