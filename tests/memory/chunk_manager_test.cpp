@@ -32,6 +32,13 @@ ChunkManagerOptions options(uint64_t device, uint64_t host, uint64_t nvme = 0,
   return o;
 }
 
+// Budgets on a device of the test's own.
+ChunkManagerOptions options(uint64_t device, uint64_t host, std::shared_ptr<offload::DeviceMemory> memory) {
+  ChunkManagerOptions o = options(device, host);
+  o.device = std::move(memory);
+  return o;
+}
+
 // n single-tensor fp32 families with one chunk each; returns their param chunk ids.
 std::vector<ChunkId> add_chunks(ChunkManager& mgr, int n) {
   std::vector<TensorSpec> specs;
@@ -491,9 +498,7 @@ bool turns_true_within(const std::atomic<bool>& done, std::chrono::milliseconds 
 // waits for the arrival.
 TEST(ChunkManager, ComputeWaitsForAChunksArrivalNotTheCaller) {
   auto device = std::make_shared<GatedUploadDevice>();
-  ChunkManagerOptions o = options(kPage, 4 * kPage);
-  o.device = device;
-  ChunkManager mgr(std::move(o));
+  ChunkManager mgr(options(kPage, 4 * kPage, device));
   const std::vector<ChunkId> ids = add_chunks(mgr, 2);
   fill(mgr, ids[0], Tier::kHost);
   fill(mgr, ids[1], Tier::kHost);
@@ -533,9 +538,7 @@ TEST(ChunkManager, ComputeWaitsForAChunksArrivalNotTheCaller) {
 // before it evicts anything, waiting for them if it must; the budget holds.
 TEST(ChunkManager, AHostTierShortOfRoomWaitsForUploadsStillReadingIt) {
   auto device = std::make_shared<GatedUploadDevice>();
-  ChunkManagerOptions o = options(2 * kPage, kPage);
-  o.device = device;
-  ChunkManager mgr(std::move(o));
+  ChunkManager mgr(options(2 * kPage, kPage, device));
   const std::vector<ChunkId> ids = add_chunks(mgr, 2);
   fill(mgr, ids[0], Tier::kHost);
   mgr.access(ids[0], Tier::kDevice);
@@ -562,9 +565,7 @@ TEST(ChunkManager, AHostTierShortOfRoomWaitsForUploadsStillReadingIt) {
 // the next chunk before then.
 TEST(ChunkManager, EvictionWaitsForTheLastOperatorThatUsedTheChunk) {
   auto device = std::make_shared<RunningComputeDevice>();
-  ChunkManagerOptions o = options(kPage, 4 * kPage);
-  o.device = device;
-  ChunkManager mgr(std::move(o));
+  ChunkManager mgr(options(kPage, 4 * kPage, device));
   const std::vector<ChunkId> ids = add_chunks(mgr, 2);
   fill(mgr, ids[0], Tier::kDevice);
   mgr.transition(ids[0], 0, TensorState::kHold);
