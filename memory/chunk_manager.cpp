@@ -76,13 +76,13 @@ ChunkManager::ChunkManager(ChunkManagerOptions options)
 ChunkManager::~ChunkManager() {
   copier_.reset();  // finish prefetches first: they use the chunks below
   for (auto& c : chunks_) free_payload(*c);
-  for (HostFree& f : host_frees_) {
+  while (!host_frees_.empty()) {
     try {
-      f.after.synchronize();  // the copy still reads it
+      host_frees_.oldest().synchronize();  // the copy still reads it
     } catch (const std::exception&) {
       // Nothing waits for that copy any more; the memory goes back regardless.
     }
-    host_.deallocate(f.ptr);
+    host_frees_.release_completed([&](const HostFree& f) { host_.deallocate(f.ptr); });
   }
 }
 
@@ -438,7 +438,7 @@ void ChunkManager::free_payload(Chunk& c, const offload::DeviceEvent& host_after
       if (host_after.query()) {
         host_.deallocate(c.ptr_);
       } else {
-        host_frees_.push_back(HostFree{c.ptr_, bytes, host_after});  // still counted (Note [Arrivals on the device])
+        host_frees_.push(HostFree{c.ptr_, bytes}, host_after);  // still counted (Note [Arrivals on the device])
         freed = 0;
       }
       break;
@@ -453,8 +453,8 @@ void ChunkManager::free_payload(Chunk& c, const offload::DeviceEvent& host_after
 
 bool ChunkManager::settle_host_frees(Lock& lock, bool wait) {
   if (host_frees_.empty()) return false;
-  if (wait && !host_frees_.front().after.query()) {
-    const offload::DeviceEvent oldest = host_frees_.front().after;
+  if (wait && !host_frees_.oldest().query()) {
+    const offload::DeviceEvent oldest = host_frees_.oldest();
     lock.unlock();
     try {
       oldest.synchronize();
@@ -463,17 +463,10 @@ bool ChunkManager::settle_host_frees(Lock& lock, bool wait) {
     }
     lock.lock();
   }
-  bool freed = false;
-  for (auto it = host_frees_.begin(); it != host_frees_.end();) {
-    if (!it->after.query()) {
-      ++it;
-      continue;
-    }
-    host_.deallocate(it->ptr);
-    account(Tier::kHost, -static_cast<int64_t>(it->bytes), 0);
-    it = host_frees_.erase(it);
-    freed = true;
-  }
+  const bool freed = host_frees_.release_completed([&](const HostFree& f) {
+    host_.deallocate(f.ptr);
+    account(Tier::kHost, -static_cast<int64_t>(f.bytes), 0);
+  });
   if (freed) idle_.notify_all();  // room on host
   return freed;
 }

@@ -90,8 +90,7 @@ void DeviceArena::deallocate(void* ptr, const DeviceEvent& after) noexcept {
     free_locked(ptr);
     return;
   }
-  pending_bytes_ += it->second.extent.bytes;
-  pending_.push_back(Pending{ptr, after});
+  pending_.push(ptr, after);
 }
 
 void DeviceArena::free_locked(void* ptr) {
@@ -113,24 +112,13 @@ bool DeviceArena::reap_locked(bool wait_oldest) {
   if (pending_.empty()) return false;
   if (wait_oldest) {
     try {
-      pending_.front().after.synchronize();
+      pending_.oldest().synchronize();
     } catch (const std::exception& e) {
       // The work that used the memory failed; it no longer uses it either way.
       std::fprintf(stderr, "[strata warning] device arena: the work before a free failed: %s\n", e.what());
     }
   }
-  bool freed = false;
-  for (auto it = pending_.begin(); it != pending_.end();) {
-    if (!it->after.query()) {
-      ++it;
-      continue;
-    }
-    pending_bytes_ -= live_extents_.at(it->ptr).extent.bytes;
-    free_locked(it->ptr);
-    it = pending_.erase(it);
-    freed = true;
-  }
-  return freed;
+  return pending_.release_completed([&](void* ptr) { free_locked(ptr); });
 }
 
 void DeviceArena::release_empty_locked(uint64_t until_reserved) {
@@ -172,7 +160,7 @@ DeviceArenaStats DeviceArena::stats() const {
   s.capacity = capacity_;
   s.reserved = reserved_locked();
   s.live = live_;
-  s.pending = pending_bytes_;
+  pending_.for_each([&](void* ptr) { s.pending += live_extents_.at(ptr).extent.bytes; });
   s.peak_reserved = peak_reserved_;
   s.segments = segments_.size();
   for (const auto& [base, seg] : segments_) s.largest_free = std::max(s.largest_free, seg.extents->largest_free());

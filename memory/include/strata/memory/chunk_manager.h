@@ -216,9 +216,8 @@ class ChunkManager {
   struct HostFree {
     void* ptr;
     size_t bytes;
-    offload::DeviceEvent after;
   };
-  std::vector<HostFree> host_frees_;  // Note [Arrivals on the device]
+  offload::EventGated<HostFree> host_frees_;  // Note [Arrivals on the device]
   std::unique_ptr<offload::CopyEngine> copier_;  // last: its jobs use everything above
 };
 

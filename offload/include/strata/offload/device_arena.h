@@ -31,7 +31,6 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -98,10 +97,6 @@ class DeviceArena {
     uintptr_t base;  // of its segment
     Extent extent;
   };
-  struct Pending {
-    void* ptr;
-    DeviceEvent after;
-  };
   using Lock = std::unique_lock<std::mutex>;
 
   void* place_locked(uint64_t bytes);
@@ -116,11 +111,10 @@ class DeviceArena {
   mutable std::mutex mu_;
   uint64_t capacity_;
   uint64_t live_ = 0;
-  uint64_t pending_bytes_ = 0;
   uint64_t peak_reserved_ = 0;
   std::map<uintptr_t, Segment> segments_;  // by base address
   std::unordered_map<void*, Live> live_extents_;
-  std::deque<Pending> pending_;  // in the order they were freed
+  EventGated<void*> pending_;  // freed, waiting for their events
 };
 
 }  // namespace strata::offload

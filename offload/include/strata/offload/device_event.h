@@ -23,7 +23,9 @@
 // whose work is complete when it returns (its event is complete at once).
 // The same ordering rules run on both, so CPU tests check them.
 
+#include <deque>
 #include <memory>
+#include <utility>
 
 namespace strata::offload {
 
@@ -54,6 +56,45 @@ class DeviceEvent {
 
  private:
   std::shared_ptr<const Impl> impl_;
+};
+
+/// Items held until an event completes, oldest first: memory that work still
+/// in flight may use (the device arena's deferred frees, the host sources of
+/// uploads in the chunk manager). Not thread-safe: its owner's lock guards it.
+template <typename T>
+class EventGated {
+ public:
+  void push(T item, DeviceEvent after) { q_.push_back(Entry{std::move(item), std::move(after)}); }
+  bool empty() const { return q_.empty(); }
+  /// The event of the oldest item; empty() must be false.
+  const DeviceEvent& oldest() const { return q_.front().after; }
+  /// Calls release(item) for each item whose event completed (successfully
+  /// or not) and drops it. Returns whether there was any.
+  template <typename Fn>
+  bool release_completed(Fn release) {
+    bool any = false;
+    for (auto it = q_.begin(); it != q_.end();) {
+      if (!it->after.query()) {
+        ++it;
+        continue;
+      }
+      release(it->item);
+      it = q_.erase(it);
+      any = true;
+    }
+    return any;
+  }
+  template <typename Fn>
+  void for_each(Fn fn) const {
+    for (const Entry& e : q_) fn(e.item);
+  }
+
+ private:
+  struct Entry {
+    T item;
+    DeviceEvent after;
+  };
+  std::deque<Entry> q_;
 };
 
 }  // namespace strata::offload
