@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <future>
+#include <numeric>
 
 #include "../zero/gathers.h"
 #include "grad_sink.h"
@@ -27,11 +28,13 @@ void StepPipeline::restore_scaler(double scale, int clean_steps, int64_t skipped
 }
 
 void StepPipeline::place_optimizer_state() {
+  place_nvme_families();
+  place_device_families();
+}
+
+void StepPipeline::place_nvme_families() {
   optim_on_nvme_.assign(ctx_.families.size(), false);
-  if (ctx_.options.budgets.nvme == 0) {
-    place_device_families();
-    return;
-  }
+  if (ctx_.options.budgets.nvme == 0) return;
   std::vector<uint64_t> bytes;
   for (memory::FamilyId f : ctx_.families) {
     uint64_t b = 0;
@@ -42,13 +45,17 @@ void StepPipeline::place_optimizer_state() {
   const size_t on_nvme =
       memory::nvme_optim_families(bytes, ctx_.options.nvme_optim_fraction, ctx_.options.budgets.host);
   for (size_t i = n - on_nvme; i < n; ++i) optim_on_nvme_[i] = true;
-  place_device_families();
 }
 
 void StepPipeline::place_device_families() {
   const size_t n = ctx_.families.size();
   optim_on_device_.assign(n, false);
   const auto on_device = static_cast<size_t>(std::llround(ctx_.options.device_optim_fraction * static_cast<double>(n)));
+#if !defined(STRATA_HAVE_CUDA_KERNELS)
+  STRATA_CHECK(on_device == 0 || ctx_.mgr->device().host_accessible(), "device_optim_fraction ",
+               ctx_.options.device_optim_fraction, " updates optimizer state on a CUDA device, but strata was built "
+               "without its CUDA kernels; rebuild with the CUDA toolkit or set device_optim_fraction to 0");
+#endif
   for (size_t i = 0; i < on_device; ++i) {
     STRATA_CHECK(!optim_on_nvme_[i], "device_optim_fraction ", ctx_.options.device_optim_fraction, " puts ", on_device,
                  " of ", n, " chunk families' optimizer state on the device, but family ", i,
@@ -266,13 +273,6 @@ kernels::cuda::DeviceSpans device_spans(const kernels::OptimSpans& s) {
 }
 #endif
 
-#if !defined(STRATA_HAVE_CUDA_KERNELS)
-[[noreturn]] void no_cuda_kernels() {
-  STRATA_FAIL("the optimizer state of some families is on a CUDA device (device_optim_fraction), but strata was "
-              "built without its CUDA kernels; rebuild with the CUDA toolkit or set device_optim_fraction to 0");
-}
-#endif
-
 }  // namespace
 
 void StepPipeline::update_param(ManagedParam& p, const kernels::OptimSpans& s, float grad_scale, float lr,
@@ -283,51 +283,60 @@ void StepPipeline::update_param(ManagedParam& p, const kernels::OptimSpans& s, f
   if (s.n == 0) return;
 #if defined(STRATA_HAVE_CUDA_KERNELS)
   const DType copy_dtype = s.param_copy != nullptr ? s.param_dtype : DType::kFloat32;
+#else
+  STRATA_ASSERT(!on_cuda, "a CUDA update without CUDA kernels: place_device_families refuses that");
 #endif
   switch (o.kind) {
     case OptimizerKind::kAdamW:
     case OptimizerKind::kAdam: {
       const kernels::AdamParams ap = adam_params(o, g, p.steps, grad_scale, lr);
-      if (!on_cuda) {
-        kernels::adam_step(ap, s);
+#if defined(STRATA_HAVE_CUDA_KERNELS)
+      if (on_cuda) {
+        const kernels::cuda::DeviceSpans d = device_spans(s);
+        kernels::cuda::multi_tensor_adam(ap, s.grad_dtype, copy_dtype, &d, 1, nullptr, nullptr);
         return;
       }
-#if defined(STRATA_HAVE_CUDA_KERNELS)
-      const kernels::cuda::DeviceSpans d = device_spans(s);
-      kernels::cuda::multi_tensor_adam(ap, s.grad_dtype, copy_dtype, &d, 1, nullptr, nullptr);
-      return;
-#else
-      no_cuda_kernels();
 #endif
+      kernels::adam_step(ap, s);
+      return;
     }
     case OptimizerKind::kLion: {
       const kernels::LionParams lp = lion_params(g, grad_scale, lr);
-      if (!on_cuda) {
-        kernels::lion_step(lp, s);
+#if defined(STRATA_HAVE_CUDA_KERNELS)
+      if (on_cuda) {
+        kernels::cuda::lion_step(lp, s.grad_dtype, copy_dtype, device_spans(s), nullptr);
         return;
       }
-#if defined(STRATA_HAVE_CUDA_KERNELS)
-      kernels::cuda::lion_step(lp, s.grad_dtype, copy_dtype, device_spans(s), nullptr);
-      return;
-#else
-      no_cuda_kernels();
 #endif
+      kernels::lion_step(lp, s);
+      return;
     }
     case OptimizerKind::kSgd: {
       const kernels::SgdParams sp = sgd_params(o, g, p.steps, grad_scale, lr);
       kernels::OptimSpans spans = s;
       if (sp.momentum == 0.0f) spans.state0 = nullptr;  // a group without momentum keeps no buffer
-      if (!on_cuda) {
-        kernels::sgd_step(sp, spans);
+#if defined(STRATA_HAVE_CUDA_KERNELS)
+      if (on_cuda) {
+        kernels::cuda::sgd_step(sp, s.grad_dtype, copy_dtype, device_spans(spans), nullptr);
         return;
       }
-#if defined(STRATA_HAVE_CUDA_KERNELS)
-      kernels::cuda::sgd_step(sp, s.grad_dtype, copy_dtype, device_spans(spans), nullptr);
-      return;
-#else
-      no_cuda_kernels();
 #endif
+      kernels::sgd_step(sp, spans);
+      return;
     }
+  }
+}
+
+void StepPipeline::update_on_host(const std::vector<size_t>& order, float grad_scale, const std::vector<float>& lrs,
+                                  std::vector<offload::CopyTicket>& ahead, double& waited,
+                                  const std::function<void(size_t)>& done) {
+  for (size_t k = 0; k < order.size(); ++k) {
+    update_family(order[k], Tier::kHost, grad_scale, lrs, [&] {
+      if (k + 1 < order.size() && ctx_.options.prefetch) {
+        ctx_.read_ahead(ctx_.step_members(ctx_.families[order[k + 1]]), ahead, /*only_into_free=*/true);
+      }
+    }, waited);
+    done(k);
   }
 }
 
@@ -344,18 +353,14 @@ void StepPipeline::update_split(float grad_scale, const std::vector<float>& lrs,
   double host_waited = 0.0;
   std::vector<offload::CopyTicket> host_ahead;
   std::future<void> host = std::async(std::launch::async, [&] {
-    size_t k = 0;
+    size_t updated = 0;
     try {
-      for (; k < host_families.size(); ++k) {
-        update_family(host_families[k], Tier::kHost, grad_scale, lrs, [&] {
-          if (k + 1 < host_families.size() && ctx_.options.prefetch) {
-            ctx_.read_ahead(ctx_.step_members(ctx_.families[host_families[k + 1]]), host_ahead, /*only_into_free=*/true);
-          }
-        }, host_waited);
+      update_on_host(host_families, grad_scale, lrs, host_ahead, host_waited, [&](size_t k) {
         host_updated[k].set_value();
-      }
+        updated = k + 1;
+      });
     } catch (...) {
-      for (; k < host_families.size(); ++k) host_updated[k].set_exception(std::current_exception());
+      for (size_t k = updated; k < host_families.size(); ++k) host_updated[k].set_exception(std::current_exception());
     }
   });
   // Device families here, while the host ones run; then every family's
@@ -420,14 +425,9 @@ bool StepPipeline::step(double& grad_norm) {
     if (std::find(optim_on_device_.begin(), optim_on_device_.end(), true) != optim_on_device_.end()) {
       update_split(static_cast<float>(multiplier), lrs, after);
     } else {
-      for (size_t i = 0; i < families.size(); ++i) {
-        update_family(i, Tier::kHost, static_cast<float>(multiplier), lrs, [&] {
-          if (i + 1 < families.size() && options.prefetch) {
-            ctx_.read_ahead(ctx_.step_members(families[i + 1]), ahead, /*only_into_free=*/true);
-          }
-        }, ctx_.wait.optimizer);
-        after(i);
-      }
+      std::vector<size_t> all(families.size());
+      std::iota(all.begin(), all.end(), size_t{0});
+      update_on_host(all, static_cast<float>(multiplier), lrs, ahead, ctx_.wait.optimizer, after);
     }
     if (gathers_ != nullptr) gathers_->finish(0);
   } catch (...) {

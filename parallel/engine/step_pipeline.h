@@ -86,7 +86,12 @@ class StepPipeline {
   void update_family(size_t index, Tier tier, float grad_scale, const std::vector<float>& lrs,
                      const std::function<void()>& pinned_hook, double& waited);
   void update_param(ManagedParam& p, const kernels::OptimSpans& spans, float grad_scale, float lr, bool on_cuda);
+  void place_nvme_families();
   void place_device_families();
+  /// Updates the families of `order` on host one after another, reading the
+  /// next one's step members ahead while each is pinned; done(k) after the k-th.
+  void update_on_host(const std::vector<size_t>& order, float grad_scale, const std::vector<float>& lrs,
+                      std::vector<offload::CopyTicket>& ahead, double& waited, const std::function<void(size_t)>& done);
   /// The update of every family, device families on this thread and the
   /// others on a worker; `after(i)` runs here for each family in order once
   /// it is updated.
