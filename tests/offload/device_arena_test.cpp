@@ -154,7 +154,18 @@ TEST(DeviceArena, FreeingUnknownMemoryIsReportedNotCorrupting) {
   int local = 0;
   arena.deallocate(&local);  // logged, ignored
   arena.deallocate(a);
+  arena.deallocate(a);  // a double free: logged, ignored
   EXPECT_EQ(arena.stats().live, 0u);
+  // The free lists are intact: the capacity is handed out again, once, in
+  // extents that do not overlap, from the one segment.
+  auto* x = static_cast<char*>(arena.allocate(2 * kMiB));
+  auto* y = static_cast<char*>(arena.allocate(2 * kMiB));
+  EXPECT_TRUE(x + 2 * kMiB <= y || y + 2 * kMiB <= x) << "two live extents overlap";
+  EXPECT_EQ(arena.stats().segments, 1u);
+  EXPECT_EQ(arena.stats().live, 4 * kMiB);
+  EXPECT_NE(error_of([&] { arena.allocate(kAlign); }), "no error") << "the capacity was handed out twice";
+  arena.deallocate(x);
+  arena.deallocate(y);
 }
 
 // --- the emulated device's streams and events ---------------------------------
