@@ -1,5 +1,6 @@
 #include "strata/memory/chunk_manager.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>

@@ -1,10 +1,16 @@
 #!/usr/bin/env bash
 # strata's one entry point for a new machine (Debian 12, root).
 #
-#   scripts/setup.sh demo   install what is missing, build, run the main example
-#   scripts/setup.sh test   install what is missing, build, run the whole test suite,
-#                           then the non-LibTorch unit tests under ASan + UBSan and
-#                           TSan, then fuzz the checkpoint parsers for 30 s
+#   scripts/setup.sh demo   install what is missing, build the libraries, `strata`
+#                           and the examples (no tests), run the main example
+#   scripts/setup.sh test   install what is missing, build everything, run the whole
+#                           test suite, then the non-LibTorch unit tests under ASan +
+#                           UBSan and TSan, then fuzz the checkpoint parsers for 30 s
+#   scripts/setup.sh test-torch2 [CTEST ARGS...]
+#                           build and test against LibTorch 2.6 and g++ 14 in a
+#                           Debian 13 (trixie) chroot made by mmdebstrap and cached
+#                           under ~/.cache/strata; CTEST ARGS (e.g. -L torch) pick
+#                           tests, the whole suite by default
 #
 # Idempotent: packages already present are not reinstalled, and builds are
 # incremental (ccache across clones). Every step says what it does.
@@ -12,9 +18,10 @@ set -euo pipefail
 
 mode="${1:-}"
 case "$mode" in
-  demo|test) ;;
-  *) echo "usage: $0 demo|test" >&2; exit 2 ;;
+  demo|test|test-torch2|torch2-inside) ;;
+  *) echo "usage: $0 demo|test|test-torch2 [ctest args...]" >&2; exit 2 ;;
 esac
+shift
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -24,29 +31,43 @@ step() { printf '\n==> %s\n' "$*"; }
 # clang, libclang-rt-14-dev: libFuzzer for the checkpoint parsers (scripts/fuzz.sh).
 # libopenblas0-pthread: LibTorch's fp32 matmuls go through libblas.so.3, which
 # is otherwise Debian's unoptimised reference BLAS (about 10x slower here).
-packages=(
+# What a build and the test suite need, on Debian 12 and in the trixie chroot.
+build_packages=(
   g++ cmake ninja-build ccache pkg-config
   libtorch-dev libopenblas0-pthread libgloo-dev libhwloc-dev liburing-dev libjemalloc-dev
   nlohmann-json3-dev libcli11-dev libfmt-dev libxxhash-dev
-  googletest libgtest-dev libgmock-dev libbenchmark-dev fio fortunes-min libxml2-utils
-  clang libclang-rt-14-dev
+  googletest libgtest-dev libgmock-dev fio fortunes-min libxml2-utils
 )
-missing=()
-for p in "${packages[@]}"; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
-done
-if [ ${#missing[@]} -gt 0 ]; then
-  step "installing ${#missing[@]} Debian package(s): ${missing[*]}"
-  sudo_cmd=()
-  [ "$(id -u)" -eq 0 ] || sudo_cmd=(sudo)
-  "${sudo_cmd[@]}" apt-get update -q
-  DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -q --no-install-recommends "${missing[@]}"
-else
-  step "all ${#packages[@]} Debian packages already installed"
-fi
+case "$mode" in
+  # The demo needs neither the fuzzer's clang nor the benchmark library.
+  demo) packages=("${build_packages[@]}") ;;
+  test) packages=("${build_packages[@]}" libbenchmark-dev clang libclang-rt-14-dev) ;;
+  test-torch2) packages=(mmdebstrap) ;;  # and the chroot has build_packages
+  torch2-inside) packages=() ;;          # installed by mmdebstrap
+esac
 
-# ccache: share hits between clones in different folders.
+install_missing() {  # <packages...>
+  local missing=() p
+  for p in "$@"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  done
+  if [ ${#missing[@]} -gt 0 ]; then
+    step "installing ${#missing[@]} Debian package(s): ${missing[*]}"
+    local sudo_cmd=()
+    [ "$(id -u)" -eq 0 ] || sudo_cmd=(sudo)
+    "${sudo_cmd[@]}" apt-get update -q
+    DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -q --no-install-recommends "${missing[@]}"
+  else
+    step "all $# Debian packages already installed"
+  fi
+}
+[ ${#packages[@]} -eq 0 ] || install_missing "${packages[@]}"
+
+# ccache: share hits between clones in different folders. The precompiled
+# LibTorch header needs pch_defines,time_macros (Note [One precompiled
+# LibTorch header]); CMakeLists.txt sets the same on its launcher.
 export CCACHE_BASEDIR="$root" CCACHE_NOHASHDIR=1 CCACHE_MAXSIZE="${CCACHE_MAXSIZE:-5G}"
+export CCACHE_SLOPPINESS="${CCACHE_SLOPPINESS:-pch_defines,time_macros,include_file_mtime,include_file_ctime}"
 
 configure_and_build() {  # <build dir> <cmake args...>
   local dir="$1"; shift
@@ -56,10 +77,67 @@ configure_and_build() {  # <build dir> <cmake args...>
   grep -E "^-- strata:" "$root/$dir.configure.log" || true
   step "building $dir with $jobs jobs"
   local start=$SECONDS
-  cmake --build "$root/$dir" -j "$jobs"
+  cmake --build "$root/$dir" -j "$jobs" "${build_targets[@]}"
   echo "built $dir in $((SECONDS - start)) s"
 }
+build_targets=()
 
+if [ "$mode" = test-torch2 ]; then
+  # Note [LibTorch 2.x in a chroot]
+  # Debian 12 has LibTorch 1.13 only; Debian 13 (trixie), in the same
+  # registry, has 2.6 with g++ 14. mmdebstrap makes a trixie root with
+  # build_packages (about a minute); it is kept under ~/.cache/strata, named
+  # by a hash of its package list, so a new list makes a new one. The tree is
+  # bind-mounted at /src inside a private mount namespace (unshare -m), so
+  # nothing stays mounted when the run ends, however it ends; ccache has a
+  # directory of its own there (another ccache version, another compiler).
+  install_missing mmdebstrap util-linux
+  cache="${STRATA_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/strata}"
+  key="$(printf '%s\n' trixie "${build_packages[@]}" | sha256sum | cut -c1-12)"
+  chroot_dir="$cache/trixie-$key"
+  if [ ! -x "$chroot_dir/usr/bin/g++" ]; then
+    step "making a Debian 13 (trixie) chroot with LibTorch 2.6 and g++ 14 in $chroot_dir"
+    mkdir -p "$cache"
+    partial="$chroot_dir.partial"
+    rm -rf --one-file-system "$partial"
+    start=$SECONDS
+    mmdebstrap --variant=apt --include="$(IFS=,; echo "${build_packages[*]}")" trixie "$partial" \
+      > "$cache/trixie-$key.log" 2>&1 || { tail -30 "$cache/trixie-$key.log"; exit 1; }
+    mv "$partial" "$chroot_dir"
+    echo "made the chroot in $((SECONDS - start)) s"
+  else
+    step "using the trixie chroot in $chroot_dir"
+  fi
+  mkdir -p "$cache/ccache-trixie" "$chroot_dir/src" "$chroot_dir/ccache"
+  step "building and testing in the chroot (LibTorch $(chroot "$chroot_dir" dpkg-query -W -f='${Version}' libtorch-dev))"
+  exec env CACHE_DIR="$cache/ccache-trixie" unshare --mount --propagation private -- sh -c '
+    set -e
+    r="$1"; shift
+    mount --bind "$0" "$r/src"
+    mount --bind "$CACHE_DIR" "$r/ccache"
+    mount -t proc proc "$r/proc"
+    mount --rbind /dev "$r/dev"
+    mount --rbind /sys "$r/sys"
+    exec chroot "$r" env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root LANG=C.UTF-8 CCACHE_DIR=/ccache \
+      STRATA_COMM_TIMEOUT="${STRATA_COMM_TIMEOUT:-}" bash /src/scripts/setup.sh torch2-inside "$@"
+  ' "$root" "$chroot_dir" "$@"
+fi
+
+if [ "$mode" = torch2-inside ]; then
+  # Inside the chroot (Note [LibTorch 2.x in a chroot]): no CUDA there; the
+  # host's build compiles the .cu files.
+  configure_and_build build-torch2 -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSTRATA_WITH_CUDA=OFF
+  step "running the test suite against LibTorch 2.6 (ctest ${*:-all})"
+  start=$SECONDS
+  (cd "$root/build-torch2" && ctest -j "$jobs" --output-on-failure "$@")
+  echo "LibTorch 2.6 test suite took $((SECONDS - start)) s"
+  exit 0
+fi
+
+if [ "$mode" = demo ]; then
+  # Only what the demo runs: the libraries come with these (tests build with `test`).
+  build_targets=(--target strata offload_demo gpt)
+fi
 configure_and_build build -DCMAKE_BUILD_TYPE=RelWithDebInfo
 
 if [ "$mode" = demo ]; then

@@ -10,7 +10,6 @@
 #include <gloo/rendezvous/prefix_store.h>
 #include <gloo/rendezvous/store.h>
 #include <gloo/transport/tcp/device.h>
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <algorithm>
 #include <condition_variable>
@@ -27,6 +26,7 @@
 #include "strata/core/error.h"
 #include "strata/kernels/optim.h"
 #include "strata/parallel/communicator.h"
+#include "../torch_compat.h"
 
 namespace strata::parallel {
 namespace {
@@ -156,7 +156,7 @@ class GlooCommunicator final : public Communicator {
       so.waitWorkers = false;
       so.timeout = o.timeout;
       auto world = std::make_shared<World>();
-      world->store = c10::make_intrusive<c10d::TCPStore>(r.master_addr, so);
+      world->store = torch_compat::start_tcp_store(r.master_addr, so);
       gloo::transport::tcp::attr attr;
       attr.hostname = o.bind_host;
       world->device = gloo::transport::tcp::CreateDevice(attr);

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <filesystem>
 #include <optional>
+#include <unistd.h>
 
 #include "engine_impl.h"
 #include "family_stream.h"

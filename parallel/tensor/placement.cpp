@@ -14,6 +14,7 @@
 #include "strata/core/error.h"
 #include "strata/parallel/tensor_parallel.h"
 #include "../engine/dispatch_keys.h"
+#include "../torch_compat.h"
 
 namespace strata::parallel {
 
@@ -119,8 +120,8 @@ bool run_placed(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     const c10::optional<Entry> e = placed_arg(*stack, n, 2);
     if (!e || e->transposed) return false;
     const std::vector<c10::IValue> a = take_args(stack, n);
-    std::vector<int64_t> shape;  // int[] in LibTorch 1.13, SymInt[] in 2.x
-    for (const c10::IValue& v : a[1].toListRef()) shape.push_back(v.isInt() ? v.toInt() : v.toSymInt().expect_int());
+    std::vector<int64_t> shape;
+    for (const c10::IValue& v : a[1].toListRef()) shape.push_back(torch_compat::int_arg(v));
     out = e->placement->layer_norm(a[0].toTensor(), shape, a[2].toTensor(), optional_tensor(a[3]), a[4].toDouble());
     STRATA_CHECK(out.has_value(), "a tensor-parallel parameter of this layout cannot be a norm's weight");
   } else if ((op.schema().name() == "aten::add" || op.schema().name() == "aten::add_") &&
@@ -138,7 +139,7 @@ bool run_placed(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     const c10::optional<Entry> e = placed_arg(*stack, n, 0);
     if (!e || e->transposed) return false;
     const std::vector<c10::IValue> a = take_args(stack, n);
-    const int64_t padding = a[2].isInt() ? a[2].toInt() : a[2].toSymInt().expect_int();
+    const int64_t padding = torch_compat::int_arg(a[2]);
     out = e->placement->embedding(a[0].toTensor(), a[1].toTensor(), padding, a[3].toBool(), a[4].toBool());
     STRATA_CHECK(out.has_value(), "a tensor-parallel parameter of this layout cannot be an embedding table");
   } else {

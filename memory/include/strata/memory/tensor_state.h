@@ -12,6 +12,7 @@
 // Anything else, including a state to itself, is an error: it means a hook
 // fired twice or out of order, which would otherwise corrupt a reduction.
 
+#include <cstdint>
 #include <string>
 
 namespace strata::memory {
