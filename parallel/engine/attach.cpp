@@ -109,8 +109,14 @@ Engine::Impl::Impl(torch::nn::Module& module, OptimizerConfig optimizer, EngineO
   if (reducer) {
     // Reductions in flight pin gradient chunks where the communicator reads
     // them: a pin that finds that tier full (an operator's, the next
-    // reduction's) waits for the oldest.
-    ctx.make_room = [this](Tier tier) { return tier == ctx.comm_tier() && reducer->settle_oldest(); };
+    // reduction's) waits for the oldest. So does a pin on a faster tier
+    // (Tier orders device < host < nvme): making room there evicts into the
+    // communicator's tier, which may be full of those same gradients (a
+    // parameter pinned on the device whose eviction victim has to go to a
+    // host tier full of gradients being reduced).
+    ctx.make_room = [this](Tier tier) {
+      return static_cast<int>(tier) <= static_cast<int>(ctx.comm_tier()) && reducer->settle_oldest();
+    };
   }
   sink = std::make_unique<GradSink>(ctx, reducer.get());
   access = std::make_unique<ParamAccess>(ctx, *sink);

@@ -58,7 +58,7 @@ Found find_managed(const c10::OperatorHandle& op, const std::vector<c10::IValue>
     if (v.isTensor()) {
       add_id(v.toTensor(), writes, f, op);
     } else if (v.isTensorList()) {
-      for (const at::Tensor& t : v.toTensorList()) add_id(t, writes, f, op);
+      for (const at::Tensor t : v.toTensorList()) add_id(t, writes, f, op);  // a copy: the list hands out proxies
     } else if (v.isList()) {
       for (const c10::IValue& e : v.toListRef()) {
         if (e.isTensor()) add_id(e.toTensor(), writes, f, op);

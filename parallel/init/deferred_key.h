@@ -19,7 +19,7 @@ void for_each_tensor(const c10::IValue& v, Fn fn) {
   if (v.isTensor()) {
     fn(v.toTensor());
   } else if (v.isTensorList()) {
-    for (const at::Tensor& t : v.toTensorList()) fn(t);
+    for (const at::Tensor t : v.toTensorList()) fn(t);  // a copy: the list hands out proxies
   } else if (v.isList()) {
     for (const c10::IValue& e : v.toListRef()) {
       if (e.isTensor()) fn(e.toTensor());

@@ -1,6 +1,7 @@
 // Runs on a machine with a CUDA device (tools/gpu_check.sh); skips without one.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <numeric>
 #include <vector>

@@ -151,7 +151,8 @@ TEST(Checkpoint, SavesAndLoadsStateLargerThanTheHostBudget) {
   const memory::TierStats host = engine->tier_stats(memory::Tier::kHost);
   EXPECT_LE(host.peak, host.budget);
   uint64_t bytes = 0;
-  for (const auto& f : checkpoint::CheckpointReader(dir).manifest().files) bytes += f.bytes;
+  const checkpoint::CheckpointReader reader(dir);  // named: a temporary's files would dangle in the loop
+  for (const auto& f : reader.manifest().files) bytes += f.bytes;
   EXPECT_GT(bytes, host.budget) << "the checkpoint never fit on host at once";
   std::printf("checkpoint %llu bytes through a host budget of %llu (peak %llu)\n",
               static_cast<unsigned long long>(bytes), static_cast<unsigned long long>(host.budget),
@@ -300,7 +301,9 @@ TEST(Checkpoint, KilledSavesNeverLoseTheCheckpoint) {
     const int64_t steps = steps_of_checkpoint();
     const bool swapped = std::string(point) == "after-rename";
     EXPECT_EQ(steps, swapped ? 1 : 2) << point;
-    if (swapped) ASSERT_EQ(run(2, nullptr, -1), 0);  // back to the step-2 checkpoint for the next point
+    if (swapped) {
+      ASSERT_EQ(run(2, nullptr, -1), 0);  // back to the step-2 checkpoint for the next point
+    }
   }
   // Killed from outside at random moments of a run that saves after every step.
   std::mt19937 rng(12345);
