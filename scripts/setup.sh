@@ -119,7 +119,7 @@ if [ "$mode" = test-torch2 ]; then
     mount --rbind /dev "$r/dev"
     mount --rbind /sys "$r/sys"
     exec chroot "$r" env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root LANG=C.UTF-8 CCACHE_DIR=/ccache \
-      STRATA_COMM_TIMEOUT="${STRATA_COMM_TIMEOUT:-}" bash /src/scripts/setup.sh torch2-inside "$@"
+      ${STRATA_COMM_TIMEOUT:+STRATA_COMM_TIMEOUT="$STRATA_COMM_TIMEOUT"} bash /src/scripts/setup.sh torch2-inside "$@"
   ' "$root" "$chroot_dir" "$@"
 fi
 

@@ -1,9 +1,11 @@
 #include "gpt_model.h"
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <vector>
 
 #include "strata/core/error.h"
 #include "strata/parallel/activation_checkpoint.h"
@@ -303,9 +305,19 @@ torch::Tensor load_corpus(const std::string& path) {
     const std::filesystem::path dir = "/usr/share/games/fortunes";
     STRATA_CHECK(std::filesystem::is_directory(dir), "no corpus: install Debian's fortunes-min (scripts/setup.sh "
                  "does) or pass --data FILE");
+    // In name order, so that the corpus (and every loss and sample) is the
+    // same whatever order the file system lists the directory in; the .dat
+    // indexes are not text, and NAME.u8 is NAME again in UTF-8 (the same bytes
+    // for ASCII files), so it is read only where NAME is missing.
+    std::vector<std::filesystem::path> files;
     for (const auto& e : std::filesystem::directory_iterator(dir)) {
-      if (e.is_regular_file() && e.path().extension() != ".dat") slurp(e.path());
+      const std::filesystem::path& f = e.path();
+      if (!e.is_regular_file() || f.extension() == ".dat") continue;
+      if (f.extension() == ".u8" && std::filesystem::exists(std::filesystem::path(f).replace_extension())) continue;
+      files.push_back(f);
     }
+    std::sort(files.begin(), files.end());
+    for (const auto& f : files) slurp(f);
   }
   STRATA_CHECK(text.size() > 1024, "the corpus has only ", text.size(), " bytes; give a larger --data file");
   return torch::from_blob(text.data(), {static_cast<int64_t>(text.size())}, torch::kUInt8).to(torch::kLong);

@@ -421,7 +421,7 @@ Rendezvous Rendezvous::from_env() {
 
 std::unique_ptr<Communicator> make_gloo_communicator(const Rendezvous& r, CommunicatorOptions options) {
   if (const char* host = std::getenv("STRATA_COMM_HOST"); host != nullptr && *host != '\0') options.bind_host = host;
-  if (std::getenv("STRATA_COMM_TIMEOUT") != nullptr) {
+  if (const char* t = std::getenv("STRATA_COMM_TIMEOUT"); t != nullptr && *t != '\0') {  // empty: unset
     const int seconds = env_int("STRATA_COMM_TIMEOUT", 300);
     STRATA_CHECK(seconds > 0, "STRATA_COMM_TIMEOUT must be a number of seconds above 0, got ", seconds);
     options.timeout = std::chrono::seconds(seconds);
