@@ -261,12 +261,16 @@ TEST(Checkpoint, FailedLoadLeavesTheEngineAsItWas) {
 // and loads, the previous one or the new one.
 TEST(Checkpoint, KilledSavesNeverLoseTheCheckpoint) {
   const std::string dir = temp_path("ckpt-crash"), nvme = temp_path("ckpt-crash-nvme");
+  // Built beside this test (tests/CMakeLists.txt); found at run time, so that
+  // no build path is compiled in and clones share ccache hits.
+  const std::string helper = (fs::read_symlink("/proc/self/exe").parent_path() / "checkpoint_crash_helper").string();
+  ASSERT_TRUE(fs::exists(helper)) << helper << " is missing: build the target checkpoint_crash_helper";
   auto run = [&](int steps, const char* kill_at, int kill_after_ms) {
     const pid_t pid = ::fork();
     if (pid == 0) {
       if (kill_at != nullptr) ::setenv("STRATA_CHECKPOINT_KILL_AT", kill_at, 1);
       const std::string n = std::to_string(steps);
-      ::execl(STRATA_CRASH_HELPER, STRATA_CRASH_HELPER, dir.c_str(), n.c_str(), nvme.c_str(), nullptr);
+      ::execl(helper.c_str(), helper.c_str(), dir.c_str(), n.c_str(), nvme.c_str(), nullptr);
       ::_exit(127);
     }
     if (kill_after_ms >= 0) {
