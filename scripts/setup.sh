@@ -92,6 +92,12 @@ if [ "$mode" = test-torch2 ]; then
   # nothing stays mounted when the run ends, however it ends; ccache has a
   # directory of its own there (another ccache version, another compiler).
   install_missing mmdebstrap util-linux
+  # Root with CAP_SYS_ADMIN, for the mount namespace and chroot; 77 says "cannot here".
+  unshare --mount --propagation private true 2> /dev/null || {
+    echo "test-torch2: cannot make a private mount namespace here (unshare --mount needs root with" \
+      "CAP_SYS_ADMIN); run it as root on a machine or container that allows mounts" >&2
+    exit 77
+  }
   cache="${STRATA_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/strata}"
   key="$(printf '%s\n' trixie "${build_packages[@]}" | sha256sum | cut -c1-12)"
   chroot_dir="$cache/trixie-$key"
