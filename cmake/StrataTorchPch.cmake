@@ -2,11 +2,12 @@
 #
 # Parsing <torch/torch.h> costs about 10 s of g++'s time per translation unit
 # on a 2-core machine, and 16 s with -O2 -g: a 47-line file that includes the
-# engine's context header took 16 s, of which its own code was 1. Every target
+# engine's context header took 16 s, as long as an empty file that includes
+# <torch/torch.h>. Every target
 # that links LibTorch (directly, or through strata_parallel or the GPT model)
 # therefore compiles with one precompiled <torch/torch.h>, built once by the
 # target strata_torch_pch and reused (REUSE_FROM) by every LibTorch target:
-# about 35 s once, then 4 s for an empty translation unit instead of 16.
+# about 30 s once, then 4 s for an empty translation unit instead of 16.
 #
 # A PCH is only valid for compilations with the flags it was built with; g++
 # ignores it (and -Winvalid-pch says so) otherwise:
@@ -58,7 +59,7 @@ endfunction()
 
 # Called once, after every target is defined (the root CMakeLists.txt).
 function(strata_apply_torch_pch)
-  if(NOT STRATA_TORCH_PCH OR NOT TARGET strata_parallel)
+  if(NOT STRATA_TORCH_PCH OR NOT STRATA_HAVE_TORCH)
     return()
   endif()
   file(WRITE ${PROJECT_BINARY_DIR}/strata_torch_pch.cpp "// The translation unit that makes the precompiled <torch/torch.h>.\n")

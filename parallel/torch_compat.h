@@ -22,14 +22,11 @@
 
 #include <ATen/core/ivalue.h>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
-#include <torch/version.h>
 
 #include <cstdint>
 #include <string>
 
 namespace strata::parallel::torch_compat {
-
-constexpr int kMajor = TORCH_VERSION_MAJOR;
 
 /// An operator's int argument: `int` in 1.13's schemas, `SymInt` in 2.x's.
 inline int64_t int_arg(const c10::IValue& v) { return v.isInt() ? v.toInt() : v.toSymInt().expect_int(); }

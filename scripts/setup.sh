@@ -28,10 +28,9 @@ cd "$root"
 jobs="$(nproc)"
 step() { printf '\n==> %s\n' "$*"; }
 
-# clang, libclang-rt-14-dev: libFuzzer for the checkpoint parsers (scripts/fuzz.sh).
+# What a build and the test suite need, on Debian 12 and in the trixie chroot.
 # libopenblas0-pthread: LibTorch's fp32 matmuls go through libblas.so.3, which
 # is otherwise Debian's unoptimised reference BLAS (about 10x slower here).
-# What a build and the test suite need, on Debian 12 and in the trixie chroot.
 build_packages=(
   g++ cmake ninja-build ccache pkg-config
   libtorch-dev libopenblas0-pthread libgloo-dev libhwloc-dev liburing-dev libjemalloc-dev
@@ -41,6 +40,7 @@ build_packages=(
 case "$mode" in
   # The demo needs neither the fuzzer's clang nor the benchmark library.
   demo) packages=("${build_packages[@]}") ;;
+  # clang, libclang-rt-14-dev: libFuzzer for the checkpoint parsers (scripts/fuzz.sh).
   test) packages=("${build_packages[@]}" libbenchmark-dev clang libclang-rt-14-dev) ;;
   test-torch2) packages=() ;;            # mmdebstrap below; the chroot has build_packages
   torch2-inside) packages=() ;;          # installed by mmdebstrap
@@ -63,9 +63,10 @@ install_missing() {  # <packages...>
 }
 [ ${#packages[@]} -eq 0 ] || install_missing "${packages[@]}"
 
-# ccache: share hits between clones in different folders. The precompiled
-# LibTorch header needs pch_defines,time_macros (Note [One precompiled
-# LibTorch header]); CMakeLists.txt sets the same on its launcher.
+# ccache: share hits between clones in different folders, with the precompiled
+# LibTorch header (Note [One precompiled LibTorch header]). CMakeLists.txt puts
+# the same on its launcher; these cover what no strata build launches (the
+# downstream test's own project).
 export CCACHE_BASEDIR="$root" CCACHE_NOHASHDIR=1 CCACHE_MAXSIZE="${CCACHE_MAXSIZE:-5G}"
 export CCACHE_SLOPPINESS="${CCACHE_SLOPPINESS:-pch_defines,time_macros,include_file_mtime,include_file_ctime}"
 

@@ -57,9 +57,7 @@ Found find_managed(const c10::OperatorHandle& op, const std::vector<c10::IValue>
     const bool writes = args[k].alias_info() != nullptr && args[k].alias_info()->isWrite();
     if (v.isTensor()) {
       add_id(v.toTensor(), writes, f, op);
-    } else if (v.isTensorList()) {
-      for (const at::Tensor t : v.toTensorList()) add_id(t, writes, f, op);  // a copy: the list hands out proxies
-    } else if (v.isList()) {
+    } else if (v.isList()) {  // tensor lists too: they are lists of IValues, no proxies or copies
       for (const c10::IValue& e : v.toListRef()) {
         if (e.isTensor()) add_id(e.toTensor(), writes, f, op);
       }

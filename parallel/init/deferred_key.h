@@ -18,9 +18,7 @@ template <typename Fn>
 void for_each_tensor(const c10::IValue& v, Fn fn) {
   if (v.isTensor()) {
     fn(v.toTensor());
-  } else if (v.isTensorList()) {
-    for (const at::Tensor t : v.toTensorList()) fn(t);  // a copy: the list hands out proxies
-  } else if (v.isList()) {
+  } else if (v.isList()) {  // tensor lists too: they are lists of IValues, no proxies or copies
     for (const c10::IValue& e : v.toListRef()) {
       if (e.isTensor()) fn(e.toTensor());
     }
