@@ -129,8 +129,7 @@ void check_writable_file(const std::string& path) {
   fs::path parent = fs::absolute(path).parent_path();
   fs::create_directories(parent, ec);
   STRATA_CHECK(!ec, "cannot create ", parent.string(), " for ", path, ": ", ec.message());
-  STRATA_CHECK(::access(parent.c_str(), W_OK) == 0, "cannot write in ", parent.string(), " (for ", path, "): ",
-               std::strerror(errno));
+  STRATA_SYSCALL(::access(parent.c_str(), W_OK), "cannot write in ", parent.string(), " (for ", path, ")");
 }
 
 CheckpointWriter::CheckpointWriter(std::string dir, std::string kind)
@@ -194,19 +193,18 @@ void CheckpointWriter::commit() {
   check_replaceable(dir_);  // again: something may have appeared there while the checkpoint was written
   std::error_code ec;
   if (!fs::exists(dir_, ec)) {
-    STRATA_CHECK(::rename(tmp_.c_str(), dir_.c_str()) == 0, "cannot rename ", tmp_, " to ", dir_, ": ",
-                 std::strerror(errno));
-  } else if (::renameat2(AT_FDCWD, tmp_.c_str(), AT_FDCWD, dir_.c_str(), RENAME_EXCHANGE) == 0) {
+    STRATA_SYSCALL(::rename(tmp_.c_str(), dir_.c_str()), "cannot rename ", tmp_, " to ", dir_);
+  } else if (const int err = STRATA_SYSCALL_ERRNO(::renameat2(AT_FDCWD, tmp_.c_str(), AT_FDCWD, dir_.c_str(),
+                                                               RENAME_EXCHANGE));
+             err == 0) {
     // tmp_ now holds the previous checkpoint.
   } else {
-    STRATA_CHECK(errno == EINVAL || errno == ENOSYS, "cannot swap ", tmp_, " with ", dir_, ": ", std::strerror(errno));
+    if (err != EINVAL && err != ENOSYS) STRATA_FAIL_ERRNO(err, "renameat2", "cannot swap ", tmp_, " with ", dir_);
     // No atomic exchange here: keep the old one as <dir>.prev until the new one is in place.
     const std::string prev = dir_ + ".prev";
     fs::remove_all(prev, ec);
-    STRATA_CHECK(::rename(dir_.c_str(), prev.c_str()) == 0, "cannot rename ", dir_, " to ", prev, ": ",
-                 std::strerror(errno));
-    STRATA_CHECK(::rename(tmp_.c_str(), dir_.c_str()) == 0, "cannot rename ", tmp_, " to ", dir_, ": ",
-                 std::strerror(errno));
+    STRATA_SYSCALL(::rename(dir_.c_str(), prev.c_str()), "cannot rename ", dir_, " to ", prev);
+    STRATA_SYSCALL(::rename(tmp_.c_str(), dir_.c_str()), "cannot rename ", tmp_, " to ", dir_);
     sync_directory(parent);
     fs::rename(prev, tmp_, ec);
   }

@@ -26,10 +26,15 @@ XXH3_state_t* state(void* p) { return static_cast<XXH3_state_t*>(p); }
 std::string hex64(uint64_t v) { return fmt::format("{:016x}", v); }
 
 FileWriter::FileWriter(std::string path) : path_(std::move(path)) {
-  fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_DIRECT, 0644);
-  direct_ = fd_ >= 0;
-  if (fd_ < 0 && errno == EINVAL) fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  STRATA_CHECK(fd_ >= 0, "cannot create ", path_, ": ", std::strerror(errno));
+  // O_DIRECT where the file system takes it (EINVAL: tmpfs, some overlays).
+  const int err = STRATA_SYSCALL_ERRNO(fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_DIRECT,
+                                                     0644));
+  direct_ = err == 0;
+  if (err == EINVAL) {
+    fd_ = STRATA_SYSCALL(::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644), "cannot create ", path_);
+  } else if (err != 0) {
+    STRATA_FAIL_ERRNO(err, "open", "cannot create ", path_);
+  }
   hash_ = XXH3_createState();
   buffer_ = static_cast<char*>(std::aligned_alloc(kAlign, kBufferBytes));
   if (hash_ == nullptr || buffer_ == nullptr) {
@@ -72,9 +77,8 @@ void FileWriter::flush(bool last) {
   }
   size_t done = 0;
   while (done < length) {
-    const ssize_t n = ::write(fd_, buffer_ + done, length - done);
-    if (n < 0 && errno == EINTR) continue;
-    STRATA_CHECK(n > 0, "cannot write ", path_, ": ", n < 0 ? std::strerror(errno) : "no progress (disk full?)");
+    const ssize_t n = STRATA_SYSCALL(::write(fd_, buffer_ + done, length - done), "cannot write ", path_);
+    STRATA_CHECK(n > 0, "cannot write ", path_, ": no progress (disk full?)");
     done += static_cast<size_t>(n);
   }
   used_ = 0;
@@ -84,13 +88,12 @@ void FileWriter::flush(bool last) {
 void FileWriter::finish() {
   flush(true);
   if (direct_) {
-    STRATA_CHECK(::ftruncate(fd_, static_cast<off_t>(bytes_)) == 0, "cannot truncate ", path_, ": ",
-                 std::strerror(errno));
+    STRATA_SYSCALL(::ftruncate(fd_, static_cast<off_t>(bytes_)), "cannot truncate ", path_);
   }
-  STRATA_CHECK(::fsync(fd_) == 0, "cannot fsync ", path_, ": ", std::strerror(errno));
+  STRATA_SYSCALL(::fsync(fd_), "cannot fsync ", path_);
   const int fd = fd_;
   fd_ = -1;
-  STRATA_CHECK(::close(fd) == 0, "cannot close ", path_, ": ", std::strerror(errno));
+  STRATA_CLOSE(fd, "cannot close ", path_);
 }
 
 uint64_t FileWriter::checksum() const { return XXH3_64bits_digest(state(hash_)); }
@@ -98,9 +101,7 @@ uint64_t FileWriter::checksum() const { return XXH3_64bits_digest(state(hash_));
 void read_exact(int fd, const std::string& path, uint64_t offset, void* dst, size_t bytes) {
   char* p = static_cast<char*>(dst);
   while (bytes > 0) {
-    const ssize_t n = ::pread(fd, p, bytes, static_cast<off_t>(offset));
-    if (n < 0 && errno == EINTR) continue;
-    STRATA_CHECK(n >= 0, "cannot read ", path, ": ", std::strerror(errno));
+    const ssize_t n = STRATA_SYSCALL(::pread(fd, p, bytes, static_cast<off_t>(offset)), "cannot read ", path);
     STRATA_CHECK(n > 0, path, " is shorter than expected: nothing at byte ", offset, " (truncated?)");
     p += n;
     offset += static_cast<uint64_t>(n);
@@ -109,17 +110,14 @@ void read_exact(int fd, const std::string& path, uint64_t offset, void* dst, siz
 }
 
 FileDigest digest_file(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  STRATA_CHECK(fd >= 0, "cannot open ", path, ": ", std::strerror(errno));
+  const int fd = STRATA_SYSCALL(::open(path.c_str(), O_RDONLY | O_CLOEXEC), "cannot open ", path);
   XXH3_state_t* h = XXH3_createState();
   XXH3_64bits_reset(h);
   std::vector<char> block(kBufferBytes);
   FileDigest d;
   try {
     for (;;) {
-      const ssize_t n = ::read(fd, block.data(), block.size());
-      if (n < 0 && errno == EINTR) continue;
-      STRATA_CHECK(n >= 0, "cannot read ", path, ": ", std::strerror(errno));
+      const ssize_t n = STRATA_SYSCALL(::read(fd, block.data(), block.size()), "cannot read ", path);
       if (n == 0) break;
       XXH3_64bits_update(h, block.data(), static_cast<size_t>(n));
       d.bytes += static_cast<uint64_t>(n);
@@ -136,12 +134,10 @@ FileDigest digest_file(const std::string& path) {
 }
 
 void sync_directory(const std::string& dir) {
-  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  STRATA_CHECK(fd >= 0, "cannot open directory ", dir, ": ", std::strerror(errno));
-  const int rc = ::fsync(fd);
-  const int err = errno;
+  const int fd = STRATA_SYSCALL(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC), "cannot open directory ", dir);
+  const int err = STRATA_SYSCALL_ERRNO(::fsync(fd));
   ::close(fd);
-  STRATA_CHECK(rc == 0, "cannot fsync directory ", dir, ": ", std::strerror(err));
+  if (err != 0) STRATA_FAIL_ERRNO(err, "fsync", "cannot fsync directory ", dir);
 }
 
 void kill_point(const char* point) {

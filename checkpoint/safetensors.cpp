@@ -159,11 +159,10 @@ void SafetensorsWriter::finish() {
 }
 
 SafetensorsReader::SafetensorsReader(std::string path) : path_(std::move(path)) {
-  fd_ = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
-  STRATA_CHECK(fd_ >= 0, "cannot open ", path_, ": ", std::strerror(errno));
+  fd_ = STRATA_SYSCALL(::open(path_.c_str(), O_RDONLY | O_CLOEXEC), "cannot open ", path_);
   try {
     struct stat st {};
-    STRATA_CHECK(::fstat(fd_, &st) == 0, "cannot stat ", path_, ": ", std::strerror(errno));
+    STRATA_SYSCALL(::fstat(fd_, &st), "cannot stat ", path_);
     const auto size = static_cast<uint64_t>(st.st_size);
     STRATA_CHECK(size >= 8, path_, " is ", size, " bytes: too short for a safetensors file");
     uint8_t length[8];

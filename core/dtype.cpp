@@ -1,23 +1,17 @@
 #include "strata/core/dtype.h"
 
-#include "strata/core/error.h"
+#include "strata/core/enum_names.h"
 
 namespace strata {
+namespace {
+constexpr EnumName<DType> kDTypeNames[] = {
+    {DType::kFloat32, "fp32"},    {DType::kBFloat16, "bf16"},     {DType::kFloat16, "fp16"},
+    {DType::kFloat32, "float32"}, {DType::kBFloat16, "bfloat16"}, {DType::kFloat16, "float16"},
+};
+}  // namespace
 
-const char* dtype_name(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat32: return "fp32";
-    case DType::kBFloat16: return "bf16";
-    case DType::kFloat16: return "fp16";
-  }
-  return "unknown";
-}
+const char* dtype_name(DType dtype) { return enum_name(kDTypeNames, dtype); }
 
-DType parse_dtype(const std::string& name) {
-  if (name == "fp32" || name == "float32") return DType::kFloat32;
-  if (name == "bf16" || name == "bfloat16") return DType::kBFloat16;
-  if (name == "fp16" || name == "float16") return DType::kFloat16;
-  STRATA_FAIL("unknown dtype '", name, "'; use fp32, bf16 or fp16");
-}
+DType parse_dtype(const std::string& name) { return parse_enum(kDTypeNames, name, "dtype"); }
 
 }  // namespace strata

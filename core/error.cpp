@@ -16,6 +16,12 @@ Error::Error(std::string what, const char* file, int line)
       file_(file),
       line_(line) {}
 
+std::string errno_text(int err) {
+  char buf[256];
+  // GNU strerror_r returns a pointer that may or may not be buf.
+  return std::string(strerror_r(err, buf, sizeof(buf)));
+}
+
 namespace detail {
 
 void throw_error(const char* file, int line, const char* kind, const char* cond,
@@ -30,11 +36,16 @@ void throw_error(const char* file, int line, const char* kind, const char* cond,
 }
 
 void throw_errno(const char* file, int line, const char* call, int err, const std::string& message) {
-  char buf[256];
-  // GNU strerror_r returns a pointer that may or may not be buf.
-  const char* text = strerror_r(err, buf, sizeof(buf));
+  const std::string text = errno_text(err);
+  // The call's name, not its arguments: "::pwrite(fd, p, n, off)" reads "pwrite".
+  std::string name(call);
+  name = name.substr(0, name.find('('));
+  const size_t colons = name.rfind("::");
+  if (colons != std::string::npos) name = name.substr(colons + 2);
+  const size_t space = name.find_last_of(" =");
+  if (space != std::string::npos) name = name.substr(space + 1);
   std::string what = message.empty() ? std::string() : message + ": ";
-  what += std::string(call) + " failed with errno " + std::to_string(err) + " (" + text + ")";
+  what += text + " (" + name + ", errno " + std::to_string(err) + ")";
   throw Error(std::move(what), file, line);
 }
 

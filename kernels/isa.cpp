@@ -2,6 +2,7 @@
 
 #include <cstdlib>
 
+#include "strata/core/enum_names.h"
 #include "strata/core/error.h"
 
 namespace strata::kernels {
@@ -28,21 +29,13 @@ Isa best_isa(const CpuFeatures& f) {
   return Isa::kScalar;
 }
 
-const char* isa_name(Isa isa) {
-  switch (isa) {
-    case Isa::kAvx512: return "avx512";
-    case Isa::kAvx2: return "avx2";
-    case Isa::kScalar: return "scalar";
-  }
-  return "unknown";
-}
+namespace {
+constexpr EnumName<Isa> kIsaNames[] = {{Isa::kAvx512, "avx512"}, {Isa::kAvx2, "avx2"}, {Isa::kScalar, "scalar"}};
+}  // namespace
 
-Isa parse_isa(const std::string& name) {
-  if (name == "avx512") return Isa::kAvx512;
-  if (name == "avx2") return Isa::kAvx2;
-  if (name == "scalar") return Isa::kScalar;
-  STRATA_FAIL("unknown ISA level '", name, "'; use one of avx512, avx2, scalar");
-}
+const char* isa_name(Isa isa) { return enum_name(kIsaNames, isa); }
+
+Isa parse_isa(const std::string& name) { return parse_enum(kIsaNames, name, "ISA level"); }
 
 Isa selected_isa() {
   static const Isa selected = [] {

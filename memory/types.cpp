@@ -1,25 +1,18 @@
 #include "strata/memory/types.h"
 
 #include "strata/core/bytes.h"
+#include "strata/core/enum_names.h"
 #include "strata/core/error.h"
 
 namespace strata::memory {
 
-const char* tier_name(Tier tier) {
-  switch (tier) {
-    case Tier::kDevice: return "device";
-    case Tier::kHost: return "host";
-    case Tier::kNvme: return "nvme";
-  }
-  return "unknown";
-}
+namespace {
+constexpr EnumName<Tier> kTierNames[] = {{Tier::kDevice, "device"}, {Tier::kHost, "host"}, {Tier::kNvme, "nvme"}};
+}  // namespace
 
-Tier parse_tier(const std::string& name) {
-  if (name == "device") return Tier::kDevice;
-  if (name == "host") return Tier::kHost;
-  if (name == "nvme") return Tier::kNvme;
-  STRATA_FAIL("unknown tier '", name, "'; use device, host or nvme");
-}
+const char* tier_name(Tier tier) { return enum_name(kTierNames, tier); }
+
+Tier parse_tier(const std::string& name) { return parse_enum(kTierNames, name, "tier"); }
 
 uint64_t TierBudgets::of(Tier tier) const {
   switch (tier) {

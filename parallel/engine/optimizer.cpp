@@ -2,6 +2,7 @@
 
 #include <cmath>
 
+#include "strata/core/enum_names.h"
 #include "strata/core/error.h"
 #include "strata/parallel/engine_options.h"
 
@@ -24,22 +25,16 @@ void check_hyper(const std::string& where, const std::optional<double>& lr, cons
 }
 }  // namespace
 
-const char* optimizer_name(OptimizerKind kind) {
-  switch (kind) {
-    case OptimizerKind::kAdamW: return "adamw";
-    case OptimizerKind::kAdam: return "adam";
-    case OptimizerKind::kLion: return "lion";
-    case OptimizerKind::kSgd: return "sgd";
-  }
-  return "?";
-}
+namespace {
+constexpr EnumName<OptimizerKind> kOptimizerNames[] = {{OptimizerKind::kAdamW, "adamw"},
+                                                       {OptimizerKind::kAdam, "adam"},
+                                                       {OptimizerKind::kLion, "lion"},
+                                                       {OptimizerKind::kSgd, "sgd"}};
+}  // namespace
 
-OptimizerKind parse_optimizer(const std::string& name) {
-  for (OptimizerKind k : {OptimizerKind::kAdamW, OptimizerKind::kAdam, OptimizerKind::kLion, OptimizerKind::kSgd}) {
-    if (name == optimizer_name(k)) return k;
-  }
-  STRATA_FAIL("unknown optimizer \"", name, "\"; choose adamw, adam, lion or sgd");
-}
+const char* optimizer_name(OptimizerKind kind) { return enum_name(kOptimizerNames, kind); }
+
+OptimizerKind parse_optimizer(const std::string& name) { return parse_enum(kOptimizerNames, name, "optimizer", "choose"); }
 
 bool glob_match(const std::string& pattern, const std::string& name) {
   // Iterative wildcard match with one backtrack point for the last `*`.

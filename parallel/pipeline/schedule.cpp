@@ -7,29 +7,23 @@
 #include <optional>
 #include <tuple>
 
+#include "strata/core/enum_names.h"
 #include "strata/core/error.h"
 #include "strata/memory/trace.h"
 #include "strata/parallel/pipeline_schedule.h"
 
 namespace strata::parallel::pipeline {
 
-Schedule schedule_from_name(const std::string& name) {
-  if (name == "gpipe") return Schedule::kGPipe;
-  if (name == "1f1b") return Schedule::k1F1B;
-  if (name == "interleaved-1f1b") return Schedule::kInterleaved1F1B;
-  if (name == "zb-h1") return Schedule::kZeroBubbleH1;
-  STRATA_FAIL("unknown pipeline schedule \"", name, "\": use gpipe, 1f1b, interleaved-1f1b or zb-h1");
-}
+namespace {
+constexpr EnumName<Schedule> kScheduleNames[] = {{Schedule::kGPipe, "gpipe"},
+                                                 {Schedule::k1F1B, "1f1b"},
+                                                 {Schedule::kInterleaved1F1B, "interleaved-1f1b"},
+                                                 {Schedule::kZeroBubbleH1, "zb-h1"}};
+}  // namespace
 
-const char* schedule_name(Schedule s) {
-  switch (s) {
-    case Schedule::kGPipe: return "gpipe";
-    case Schedule::k1F1B: return "1f1b";
-    case Schedule::kInterleaved1F1B: return "interleaved-1f1b";
-    case Schedule::kZeroBubbleH1: return "zb-h1";
-  }
-  return "?";
-}
+Schedule schedule_from_name(const std::string& name) { return parse_enum(kScheduleNames, name, "pipeline schedule"); }
+
+const char* schedule_name(Schedule s) { return enum_name(kScheduleNames, s); }
 
 std::string to_string(const Action& a) {
   const char* k = a.kind == ActionKind::kForward          ? "F"

@@ -1,26 +1,20 @@
 // parallel::sequence::Attention: the three sequence-parallel attentions
 // behind one module, the mode chosen by option, with the sharding helpers
 // that match its layout.
+#include "strata/core/enum_names.h"
 #include "strata/core/error.h"
 #include "strata/parallel/sequence_parallel.h"
 
 namespace strata::parallel::sequence {
 
-Mode parse_mode(const std::string& name) {
-  for (Mode m : {Mode::kRingAttention, Mode::kUlysses, Mode::kRingSelfAttention}) {
-    if (name == mode_name(m)) return m;
-  }
-  STRATA_FAIL("unknown sequence-parallel mode \"", name, "\"; choose ring-attention, ulysses or ring-self-attention");
-}
+namespace {
+constexpr EnumName<Mode> kModeNames[] = {
+    {Mode::kRingAttention, "ring-attention"}, {Mode::kUlysses, "ulysses"}, {Mode::kRingSelfAttention, "ring-self-attention"}};
+}  // namespace
 
-const char* mode_name(Mode mode) {
-  switch (mode) {
-    case Mode::kRingAttention: return "ring-attention";
-    case Mode::kUlysses: return "ulysses";
-    case Mode::kRingSelfAttention: return "ring-self-attention";
-  }
-  return "?";
-}
+Mode parse_mode(const std::string& name) { return parse_enum(kModeNames, name, "sequence-parallel mode", "choose"); }
+
+const char* mode_name(Mode mode) { return enum_name(kModeNames, mode); }
 
 AttentionImpl::AttentionImpl(Communicator& g, AttentionOptions o) : group(&g), options(o) {}
 

@@ -4,13 +4,14 @@
 //    (bad option, full disk, missing device). The message says what to change.
 //  - STRATA_ASSERT(cond, ...): an invariant of strata itself is broken (a bug).
 // Both throw strata::Error carrying the message and the source location; a
-// library never aborts the process. STRATA_CHECK_ERRNO decodes a system call's
-// -errno / errno the way NCCL's checks.h decodes its results.
+// library never aborts the process. STRATA_SYSCALL and friends (Note [System
+// calls]) check system calls the way NCCL's checks.h checks its results.
 
 #include <cerrno>
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 namespace strata {
@@ -28,6 +29,9 @@ class Error : public std::runtime_error {
   const char* file_;
   int line_;
 };
+
+/// strerror_r's text for `err`, for messages that do not throw (logs).
+std::string errno_text(int err);
 
 namespace detail {
 
@@ -67,24 +71,86 @@ inline std::string str_cat() { return {}; }
 #define STRATA_FAIL(...) \
   ::strata::detail::throw_error(__FILE__, __LINE__, "check", nullptr, ::strata::detail::str_cat(__VA_ARGS__))
 
-/// For calls that return -1 and set errno; retries on EINTR.
+// Note [System calls]
+// Every system call in the libraries goes through one of these, so that none
+// forgets EINTR and every failure reads the same: "<what was being done>:
+// <strerror> (<call>, errno N)". A call is retried while it fails with EINTR
+// (a signal arrived; the call did nothing), which is right for every call
+// here: open, read, write, fsync, fallocate, rename, ... all either did
+// nothing or report partial progress by their return value.
+//  - STRATA_SYSCALL(call, what...): throws on failure, else returns the result.
+//  - STRATA_SYSCALL_ERRNO(call): 0 on success, else errno, for the callers
+//    that handle some failures (ENOENT, EEXIST, EINVAL) themselves; assign
+//    the result inside `call` when it is needed: ERRNO(fd = ::open(...)).
+//  - STRATA_CHECK_NEG_ERRNO(expr, what...): for APIs that return -errno
+//    (liburing); retried on -EINTR, throws on any other negative result.
+//  - STRATA_FAIL_ERRNO(err, "call", what...): throws that error for a
+//    failure STRATA_SYSCALL_ERRNO returned and the caller does not handle.
+//  - STRATA_CLOSE(fd, what...): close() is the one call never retried: Linux
+//    releases the descriptor even when close reports EINTR, and a retry
+//    could close another thread's new file. Throws on any other failure;
+//    for the close of a file just written, which can report a lost write.
+//    Cleanup paths that already fail ignore close's result, as do the
+//    deleters that munmap: nothing could act on their failure.
+// Failure is -1 for integer results and null or MAP_FAILED for pointers
+// (fopen, opendir, mmap).
+namespace strata::detail {
+
+template <typename T>
+inline bool syscall_failed(T rc) noexcept {
+  if constexpr (std::is_pointer_v<T>) {
+    return rc == nullptr || reinterpret_cast<const volatile void*>(rc) == reinterpret_cast<void*>(-1);
+  } else {
+    return rc == -1;
+  }
+}
+
+template <typename F>
+auto retry_eintr(F&& call) {
+  for (;;) {
+    auto rc = call();
+    if (!syscall_failed(rc) || errno != EINTR) return rc;
+  }
+}
+
+}  // namespace strata::detail
+
 #define STRATA_SYSCALL(call, ...)                                                            \
   [&] {                                                                                     \
-    for (;;) {                                                                              \
-      auto strata_rc_ = (call);                                                             \
-      if (strata_rc_ != -1) return strata_rc_;                                              \
-      if (errno == EINTR) continue;                                                         \
+    auto strata_rc_ = ::strata::detail::retry_eintr([&] { return (call); });                \
+    if (__builtin_expect(::strata::detail::syscall_failed(strata_rc_), 0)) {               \
       ::strata::detail::throw_errno(__FILE__, __LINE__, #call, errno,                       \
                                     ::strata::detail::str_cat(__VA_ARGS__));                \
     }                                                                                       \
+    return strata_rc_;                                                                      \
   }()
 
-/// For calls that return a negative errno on failure (io_uring, hwloc-style APIs).
+#define STRATA_SYSCALL_ERRNO(call)                                                           \
+  [&]() -> int {                                                                            \
+    const auto strata_rc_ = ::strata::detail::retry_eintr([&] { return (call); });          \
+    return ::strata::detail::syscall_failed(strata_rc_) ? errno : 0;                        \
+  }()
+
 #define STRATA_CHECK_NEG_ERRNO(expr, ...)                                                    \
+  [&] {                                                                                     \
+    for (;;) {                                                                              \
+      const auto strata_rc_ = (expr);                                                       \
+      if (strata_rc_ == -EINTR) continue;                                                   \
+      if (__builtin_expect(strata_rc_ < 0, 0)) {                                            \
+        ::strata::detail::throw_errno(__FILE__, __LINE__, #expr, -static_cast<int>(strata_rc_), \
+                                      ::strata::detail::str_cat(__VA_ARGS__));              \
+      }                                                                                     \
+      return strata_rc_;                                                                    \
+    }                                                                                       \
+  }()
+
+#define STRATA_CLOSE(fd, ...)                                                                \
   do {                                                                                      \
-    int strata_rc_ = static_cast<int>(expr);                                                \
-    if (strata_rc_ < 0) {                                                                   \
-      ::strata::detail::throw_errno(__FILE__, __LINE__, #expr, -strata_rc_,                 \
+    if (::close(fd) != 0 && errno != EINTR) {                                               \
+      ::strata::detail::throw_errno(__FILE__, __LINE__, "close", errno,                     \
                                     ::strata::detail::str_cat(__VA_ARGS__));                \
     }                                                                                       \
   } while (0)
+
+#define STRATA_FAIL_ERRNO(err, call, ...) \
+  ::strata::detail::throw_errno(__FILE__, __LINE__, call, err, ::strata::detail::str_cat(__VA_ARGS__))
