@@ -4,9 +4,29 @@
 #include <cmath>
 #include <cstdint>
 
+#include "strata/core/enum_names.h"
 #include "strata/core/error.h"
 
 namespace strata::memory {
+
+namespace {
+constexpr EnumName<PolicyKind> kPolicyNames[] = {
+    {PolicyKind::kAuto, "auto"}, {PolicyKind::kLru, "lru"}, {PolicyKind::kStatic, "static"}};
+}  // namespace
+
+const char* policy_name(PolicyKind kind) { return enum_name(kPolicyNames, kind); }
+
+PolicyKind parse_policy(const std::string& name) { return parse_enum(kPolicyNames, name, "device policy"); }
+
+std::unique_ptr<EvictionPolicy> make_policy(PolicyKind kind) {
+  switch (kind) {
+    case PolicyKind::kLru: return std::make_unique<LruPolicy>();
+    case PolicyKind::kAuto: return std::make_unique<TracePolicy>();
+    case PolicyKind::kStatic: return std::make_unique<StaticPolicy>();
+  }
+  STRATA_ASSERT(false, "unknown PolicyKind ", static_cast<int>(kind));
+  return nullptr;
+}
 
 void LruPolicy::on_access(ChunkId chunk, Tier) { last_access_[chunk] = ++clock_; }
 

@@ -64,8 +64,7 @@ std::pair<uint64_t, uint64_t> trace_device_bounds(const Trace& t) {
 
 // See Note [Replaying a trace].
 SimulateResult simulate_trace(const Trace& t, const SimulateOptions& o) {
-  STRATA_CHECK(o.policy == "lru" || o.policy == "auto" || o.policy == "static", "policy \"", o.policy,
-               "\" is not one of lru, auto, static");
+  const PolicyKind kind = parse_policy(o.policy);
   STRATA_CHECK(o.h2d_bytes_per_s > 0 && o.d2h_bytes_per_s > 0 && o.nvme_read_bytes_per_s > 0 &&
                    o.nvme_write_bytes_per_s > 0,
                "bandwidths must be positive");
@@ -87,9 +86,12 @@ SimulateResult simulate_trace(const Trace& t, const SimulateOptions& o) {
       f.optim += c.bytes;
     }
   }
-  std::unordered_set<ChunkId> held;
-  if (o.policy == "static") held = static_held_chunks(param_chunks, o.static_param_fraction, o.device_budget);
-  const bool prefetch = o.prefetch && o.policy == "auto";
+  // The engine's own policy object chooses every victim (Note [Replaying a trace]).
+  const std::unique_ptr<EvictionPolicy> policy = make_policy(kind);
+  auto* const planner = dynamic_cast<TracePolicy*>(policy.get());
+  auto* const placement = dynamic_cast<StaticPolicy*>(policy.get());
+  if (placement != nullptr) placement->set_held(static_held_chunks(param_chunks, o.static_param_fraction, o.device_budget));
+  const bool prefetch = o.prefetch && planner != nullptr;
 
   // Uses of each chunk by device operators, for Belady; past the trace's end
   // the sequence repeats (the next step looks like the traced ones).
@@ -107,23 +109,19 @@ SimulateResult simulate_trace(const Trace& t, const SimulateOptions& o) {
     const bool last = k + 1 == device_ops.size() || t.ops[device_ops[k + 1]].step != t.ops[device_ops[k]].step;
     step_end[k] = last ? k + 1 : step_end[k + 1];
   }
-  std::unordered_map<int64_t, std::vector<size_t>> uses;  // chunk -> positions in device_ops
-  for (size_t k = 0; k < device_ops.size(); ++k) {
-    for (int64_t c : device_chunks[k]) uses[c].push_back(k);
+  // The plan is the traced device operators, whole: a chunk's next use after
+  // the last of them is its first (the next step looks like the traced ones).
+  if (planner != nullptr) {
+    std::vector<std::vector<ChunkId>> plan;
+    for (const std::vector<int64_t>& op : device_chunks) plan.emplace_back(op.begin(), op.end());
+    planner->set_plan(std::move(plan));
   }
-  auto next_use = [&](int64_t chunk, size_t k) -> uint64_t {
-    const auto it = uses.find(chunk);
-    if (it == uses.end()) return UINT64_MAX;
-    const auto n = std::upper_bound(it->second.begin(), it->second.end(), k);
-    return n != it->second.end() ? *n - k : it->second.front() + device_ops.size() - k;
-  };
 
   struct Resident {
-    uint64_t last = 0;    // LRU clock
     double ready = 0.0;   // compute-clock time its copy ends (prefetched chunks)
   };
-  std::unordered_map<int64_t, Resident> resident;
-  uint64_t used = 0, clock = 0;
+  std::map<int64_t, Resident> resident;  // ordered: candidates in chunk order, as the manager lists them
+  uint64_t used = 0;
   double now = 0.0;        // compute clock: compute and stalls so far
   double h2d_free = 0.0;   // when the host -> device copy queue is idle
   double backward_compute = 0.0, optimizer_compute = 0.0, compute = 0.0, device_stall = 0.0;
@@ -133,6 +131,7 @@ SimulateResult simulate_trace(const Trace& t, const SimulateOptions& o) {
     r.d2h_count += 1;
     used -= bytes[c];
     resident.erase(c);
+    policy->on_leave(static_cast<ChunkId>(c), Tier::kDevice);
   };
   auto load = [&](int64_t c, bool ahead) {
     r.h2d_bytes += bytes[c];
@@ -140,8 +139,7 @@ SimulateResult simulate_trace(const Trace& t, const SimulateOptions& o) {
     used += bytes[c];
     const double copy = static_cast<double>(bytes[c]) / o.h2d_bytes_per_s;
     Resident& res = resident[c];
-    res.last = ++clock;
-    if (ahead) {
+    if (ahead) {  // ChunkManager::prefetch: a move, not a use
       r.prefetched_bytes += bytes[c];
       h2d_free = std::max(h2d_free, now) + copy;
       res.ready = h2d_free;
@@ -149,6 +147,7 @@ SimulateResult simulate_trace(const Trace& t, const SimulateOptions& o) {
       now += copy;  // on demand: the operator waits for the copy
       device_stall += copy;
       res.ready = now;
+      policy->on_access(static_cast<ChunkId>(c), Tier::kDevice);
     }
   };
   size_t k = 0;  // position in device_ops
@@ -172,6 +171,7 @@ SimulateResult simulate_trace(const Trace& t, const SimulateOptions& o) {
       now += op_compute;
       continue;
     }
+    if (planner != nullptr) planner->set_cursor(static_cast<int64_t>(k));
     const std::vector<int64_t>& pinned = device_chunks[k];
     uint64_t need = 0;
     for (int64_t c : pinned) need += bytes[c];
@@ -180,13 +180,13 @@ SimulateResult simulate_trace(const Trace& t, const SimulateOptions& o) {
       r.why = "operator #" + std::to_string(op.index) + " " + op.name + " needs " + format_bytes(need) +
               " of chunks on the device at once";
     }
-    if (o.policy == "static") {
+    if (placement != nullptr) {
       for (int64_t c : streamed) {
         if (resident.count(c) != 0 && std::find(pinned.begin(), pinned.end(), c) == pinned.end()) evict(c);
       }
       streamed.clear();
       for (int64_t c : pinned) {
-        if (held.count(static_cast<ChunkId>(c)) == 0) streamed.push_back(c);
+        if (!placement->held(static_cast<ChunkId>(c))) streamed.push_back(c);
       }
     }
     for (size_t p = 0; p < pinned.size(); ++p) {
@@ -197,28 +197,32 @@ SimulateResult simulate_trace(const Trace& t, const SimulateOptions& o) {
           device_stall += at->second.ready - now;
           now = at->second.ready;
         }
-        at->second.last = ++clock;
+        policy->on_access(static_cast<ChunkId>(c), Tier::kDevice);
         continue;
       }
       while (used + bytes[c] > o.device_budget) {
-        int64_t victim = -1;
-        uint64_t best = 0;
-        bool best_held = true;
+        // ChunkManager::make_room: the chunks neither pinned for this
+        // operator nor still arriving; with none, wait for an arrival.
+        std::vector<ChunkId> candidates;
+        double arrival = 0.0;
         for (const auto& [cand, res] : resident) {
           if (std::find(pinned.begin(), pinned.begin() + p, cand) != pinned.begin() + p) continue;
-          const bool is_held = held.count(static_cast<ChunkId>(cand)) != 0;
-          const uint64_t score = o.policy == "auto" ? next_use(cand, k) : UINT64_MAX - res.last;
-          const bool better = victim < 0 || (best_held && !is_held) ||
-                              (best_held == is_held && (score > best || (score == best && cand < victim)));
-          if (better) {
-            victim = cand;
-            best = score;
-            best_held = is_held;
+          if (res.ready > now) {
+            arrival = arrival == 0.0 ? res.ready : std::min(arrival, res.ready);
+            continue;
           }
+          candidates.push_back(static_cast<ChunkId>(cand));
         }
-        if (victim < 0) break;  // nothing evictable: the budget is too small (reported in `why`)
+        if (candidates.empty() && arrival > now) {
+          device_stall += arrival - now;
+          now = arrival;
+          continue;
+        }
+        if (candidates.empty()) break;  // nothing evictable: the budget is too small (reported in `why`)
+        const ChunkId victim = policy->choose_victim(Tier::kDevice, candidates);
         evict(victim);
         r.evictions += 1;
+        if (o.record_evictions) r.evicted.push_back({op.index, victim});
       }
       load(c, /*ahead=*/false);
     }

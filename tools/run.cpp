@@ -50,6 +50,7 @@
 #include <thread>
 #include <vector>
 
+#include "child_process.h"
 #include "commands.h"
 #include "strata/core/error.h"
 
@@ -68,17 +69,16 @@ struct RunOptions {
 };
 
 int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  STRATA_CHECK(fd >= 0, "socket: ", std::strerror(errno));
+  const int fd = STRATA_SYSCALL(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0), "cannot open a socket to find a free port");
   sockaddr_in a{};
   a.sin_family = AF_INET;
   a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   a.sin_port = 0;
   socklen_t len = sizeof a;
-  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 &&
-                  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0;
+  int err = STRATA_SYSCALL_ERRNO(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a));
+  if (err == 0) err = STRATA_SYSCALL_ERRNO(::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len));
   ::close(fd);
-  STRATA_CHECK(ok, "cannot find a free TCP port: ", std::strerror(errno), "; give --master-port");
+  if (err != 0) STRATA_FAIL_ERRNO(err, "bind", "cannot find a free TCP port (give --master-port)");
   return ntohs(a.sin_port);
 }
 
@@ -114,47 +114,41 @@ void kill_started(std::vector<Rank>& ranks) {
   for (Rank& r : ranks) {
     if (r.pid <= 0) continue;
     signal_group(r, SIGKILL);
-    int status = 0;
-    while (::waitpid(r.pid, &status, 0) < 0 && errno == EINTR) {
-    }
+    wait_child(r.pid);
     if (r.out >= 0) ::close(r.out);
   }
 }
 
 pid_t start_rank(const RunOptions& o, Rank& r, int local, int world, int port, int threads) {
   int fds[2];
-  STRATA_CHECK(::pipe2(fds, O_CLOEXEC) == 0, "cannot start rank ", r.rank, ": pipe: ", std::strerror(errno),
-               errno == EMFILE || errno == ENFILE ? " (raise ulimit -n or start fewer ranks)" : "");
-  const pid_t pid = ::fork();
-  if (pid < 0) {
-    const int err = errno;
+  const int err = STRATA_SYSCALL_ERRNO(::pipe2(fds, O_CLOEXEC));
+  if (err != 0) {
+    STRATA_FAIL_ERRNO(err, "pipe2", "cannot start rank ", r.rank,
+                      err == EMFILE || err == ENFILE ? " (raise ulimit -n or start fewer ranks)" : "");
+  }
+  std::vector<ChildEnv> env = {
+      {"RANK", std::to_string(r.rank)},          {"WORLD_SIZE", std::to_string(world)},
+      {"LOCAL_RANK", std::to_string(local)},     {"LOCAL_WORLD_SIZE", std::to_string(o.nproc)},
+      {"GROUP_RANK", std::to_string(o.node_rank)}, {"ROLE_RANK", std::to_string(r.rank)},
+      {"MASTER_ADDR", o.master_addr},            {"MASTER_PORT", std::to_string(port)}};
+  if (threads > 0) {  // Note [Threads per rank]: the user's own settings win
+    env.push_back({"OMP_NUM_THREADS", std::to_string(threads), false});
+    env.push_back({"STRATA_NUM_THREADS", std::to_string(threads), false});
+  }
+  pid_t pid = -1;
+  try {
+    pid = spawn_child(o.command, env, [&] {
+      ::setpgid(0, 0);
+      ::signal(SIGINT, SIG_DFL);
+      ::signal(SIGTERM, SIG_DFL);
+      ::signal(SIGHUP, SIG_DFL);
+      ::dup2(fds[1], STDOUT_FILENO);
+      ::dup2(fds[1], STDERR_FILENO);
+    }, "", fmt::format("rank {}", r.rank));
+  } catch (...) {
     ::close(fds[0]);
     ::close(fds[1]);
-    STRATA_FAIL("cannot start rank ", r.rank, ": fork: ", std::strerror(err));
-  }
-  if (pid == 0) {
-    ::setpgid(0, 0);
-    ::signal(SIGINT, SIG_DFL);
-    ::signal(SIGTERM, SIG_DFL);
-    ::signal(SIGHUP, SIG_DFL);
-    ::dup2(fds[1], STDOUT_FILENO);
-    ::dup2(fds[1], STDERR_FILENO);
-    const std::pair<const char*, std::string> env[] = {
-        {"RANK", std::to_string(r.rank)},          {"WORLD_SIZE", std::to_string(world)},
-        {"LOCAL_RANK", std::to_string(local)},     {"LOCAL_WORLD_SIZE", std::to_string(o.nproc)},
-        {"GROUP_RANK", std::to_string(o.node_rank)}, {"ROLE_RANK", std::to_string(r.rank)},
-        {"MASTER_ADDR", o.master_addr},            {"MASTER_PORT", std::to_string(port)}};
-    for (const auto& [k, v] : env) ::setenv(k, v.c_str(), 1);
-    if (threads > 0) {
-      ::setenv("OMP_NUM_THREADS", std::to_string(threads).c_str(), 0);
-      ::setenv("STRATA_NUM_THREADS", std::to_string(threads).c_str(), 0);
-    }
-    std::vector<char*> argv;
-    for (const std::string& a : o.command) argv.push_back(const_cast<char*>(a.c_str()));
-    argv.push_back(nullptr);
-    ::execvp(argv[0], argv.data());
-    std::fprintf(stderr, "cannot run %s: %s\n", argv[0], std::strerror(errno));
-    ::_exit(127);
+    throw;
   }
   ::setpgid(pid, pid);  // as the child does: whichever runs first, the group exists before any signal
   ::close(fds[1]);
@@ -256,11 +250,8 @@ int run_ranks(const RunOptions& o) {
       const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
       if (!ok && failed == nullptr && !stopping) {
         failed = &r;
-        exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-        fmt::print(stderr, "strata run: rank {} {}; stopping the other ranks\n", r.rank,
-                   WIFEXITED(status) ? fmt::format("exited with status {}", WEXITSTATUS(status))
-                                     : fmt::format("was killed by signal {} ({})", WTERMSIG(status),
-                                                   strsignal(WTERMSIG(status))));
+        exit_code = exit_code_of(status);
+        fmt::print(stderr, "strata run: rank {} {}; stopping the other ranks\n", r.rank, describe_exit(status));
         stop_all(SIGTERM);
         stopping = true;
         kill_at = std::chrono::steady_clock::now() + grace;

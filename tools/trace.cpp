@@ -20,10 +20,12 @@
 #include <fmt/format.h>
 #include <memory>
 
+#include "child_process.h"
 #include "commands.h"
 #include "strata/core/bytes.h"
 #include "strata/core/error.h"
 #include "strata/memory/trace.h"
+#include "trace_views.h"
 
 namespace strata::tools {
 namespace {
@@ -48,31 +50,15 @@ void record(const RecordOptions& o) {
     }
     std::filesystem::remove(out);
   }
-  const pid_t pid = ::fork();
-  STRATA_CHECK(pid >= 0, "fork failed: ", std::strerror(errno));
-  if (pid == 0) {
-    ::setenv("STRATA_TRACE", out.c_str(), 1);
-    ::setenv("STRATA_TRACE_STEPS", std::to_string(o.steps).c_str(), 1);
-    std::vector<char*> argv;
-    for (const std::string& a : o.command) argv.push_back(const_cast<char*>(a.c_str()));
-    argv.push_back(nullptr);
-    ::execvp(argv[0], argv.data());
-    std::fprintf(stderr, "strata trace record: cannot run %s: %s\n", argv[0], std::strerror(errno));
-    ::_exit(127);
-  }
-  int status = 0;
-  while (::waitpid(pid, &status, 0) < 0) {
-    STRATA_CHECK(errno == EINTR, "waitpid failed: ", std::strerror(errno));
-  }
-  if (!(WIFEXITED(status) && WEXITSTATUS(status) == 0)) {
+  const pid_t pid = spawn_child(o.command, {{"STRATA_TRACE", out}, {"STRATA_TRACE_STEPS", std::to_string(o.steps)}},
+                                nullptr, "strata trace record: ", o.command[0]);
+  const int status = wait_child(pid);
+  if (exit_code_of(status) != 0) {
     // The program may have failed after the traced steps: say whether a trace was written.
     std::error_code ec;
     const bool written = std::filesystem::exists(out, ec);
-    STRATA_FAIL(o.command[0], " failed (",
-                WIFEXITED(status) ? fmt::format("exit status {}", WEXITSTATUS(status))
-                                  : fmt::format("signal {}", WTERMSIG(status)),
-                written ? fmt::format("); it wrote its trace to {} before that", out)
-                        : std::string("); no trace recorded"));
+    STRATA_FAIL(o.command[0], " ", describe_exit(status),
+                written ? fmt::format("; it wrote its trace to {} before that", out) : std::string("; no trace recorded"));
   }
   STRATA_CHECK(std::filesystem::exists(out), o.command[0], " exited without writing a trace to ", out,
                ": does it train through strata::parallel::attach with EngineOptions::from_env, and for at least ",
@@ -96,7 +82,7 @@ struct SimOptions {
 
 // --checkpoint: the effect of checkpointing the given layers (Note [Activations per layer]).
 void predict_checkpoint(const memory::Trace& t, const SimOptions& o) {
-  const memory::CheckpointPrediction p = memory::predict_checkpointing(t, o.checkpoint, o.layer_depth);
+  const CheckpointPrediction p = predict_checkpointing(t, o.checkpoint, o.layer_depth);
   std::string names;
   for (size_t i = 0; i < p.layers.size(); ++i) names += (i ? ", " : "") + p.layers[i];
   fmt::print("checkpointing {} layers ({}): their forwards keep {} fewer activations; non-model peak {} -> {} "
@@ -213,7 +199,7 @@ void add_trace_command(CLI::App& app) {
   auto top = std::make_shared<size_t>(10);
   rep->add_option("trace", *path, "a trace written by strata trace record or STRATA_TRACE")->required();
   rep->add_option("--top", *top, "operators to list by non-model memory");
-  rep->callback([path, top] { fmt::print("{}", memory::format_trace_report(memory::read_trace(*path), *top)); });
+  rep->callback([path, top] { fmt::print("{}", format_trace_report(memory::read_trace(*path), *top)); });
 
   auto* sim = trace->add_subcommand("simulate", "Predict device traffic and step time under other budgets and policies");
   auto so = std::make_shared<SimOptions>();
@@ -240,7 +226,7 @@ void add_trace_command(CLI::App& app) {
   plot->add_option("-o,--out", *pout, "the SVG to write");
   plot->callback([ppath, pout] {
     const memory::Trace t = memory::read_trace(*ppath);
-    memory::write_text_file(memory::plot_trace_svg(t), *pout);
+    memory::write_text_file(plot_trace_svg(t), *pout);
     fmt::print("wrote {} ({} operators)\n", *pout, t.ops.size());
   });
 
@@ -251,7 +237,7 @@ void add_trace_command(CLI::App& app) {
   exp->add_option("--chrome", *chrome, "Chrome trace event JSON to write (opens in Perfetto)")->required();
   exp->callback([epath, chrome] {
     const memory::Trace t = memory::read_trace(*epath);
-    memory::write_text_file(memory::export_chrome_trace(t), *chrome);
+    memory::write_text_file(export_chrome_trace(t), *chrome);
     fmt::print("wrote {} ({} operators)\n", *chrome, t.ops.size());
   });
 }

@@ -6,6 +6,7 @@
 
 #include "strata/core/bytes.h"
 #include "strata/core/error.h"
+#include "strata/memory/eviction_policy.h"
 
 namespace strata::parallel {
 namespace {
@@ -88,8 +89,7 @@ void EngineOptions::validate() const {
                " but there is no nvme tier; give it a budget (nvme_budget, STRATA_NVME_BUDGET)");
   STRATA_CHECK(device_safety_ratio > 0.0 && device_safety_ratio <= 1.0, "device_safety_ratio is ",
                device_safety_ratio, "; give a fraction in (0, 1]");
-  STRATA_CHECK(policy == "auto" || policy == "lru" || policy == "static", "policy \"", policy,
-               "\" is not one of auto, lru, static");
+  memory::parse_policy(policy);  // throws naming the policies there are
   STRATA_CHECK(static_param_fraction == -1.0 || (static_param_fraction >= 0.0 && static_param_fraction <= 1.0),
                "static_param_fraction is ", static_param_fraction, "; give a fraction in [0, 1], or -1 for auto");
   STRATA_CHECK(zero_stage >= 0 && zero_stage <= 3, "zero_stage is ", zero_stage, "; give 0 (data parallel), 1 "

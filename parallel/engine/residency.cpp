@@ -9,17 +9,10 @@
 namespace strata::parallel {
 
 std::unique_ptr<memory::EvictionPolicy> Residency::make_policy() {
-  if (ctx_.options.policy == "auto") {
-    auto planner = std::make_unique<memory::TracePolicy>();
-    planner_ = planner.get();
-    return planner;
-  }
-  if (ctx_.options.policy == "static") {
-    auto placement = std::make_unique<memory::StaticPolicy>();
-    placement_ = placement.get();
-    return placement;
-  }
-  return nullptr;
+  std::unique_ptr<memory::EvictionPolicy> policy = memory::make_policy(memory::parse_policy(ctx_.options.policy));
+  planner_ = dynamic_cast<memory::TracePolicy*>(policy.get());
+  placement_ = dynamic_cast<memory::StaticPolicy*>(policy.get());
+  return policy;
 }
 
 void Residency::hold_static_chunks() {
@@ -39,7 +32,10 @@ void Residency::on_placed(const memory::Chunk& c, std::optional<Tier> tier, void
   for (size_t i : it->second) {
     ManagedParam& p = ctx_.params[i];
     if (!p.storage) continue;  // still being attached
-    void* slot = ctx_.addressable(tier) ? static_cast<char*>(ptr) + p.offset * ctx_.elem_size() : nullptr;
+    // On nvme, `ptr` is the store's read-only view where it has one, host
+    // memory (Note [Parameters on NVMe stay readable]): a CPU storage can point there.
+    const bool readable = ctx_.addressable(tier) || (tier == Tier::kNvme && ctx_.addressable(Tier::kHost));
+    void* slot = readable && ptr != nullptr ? static_cast<char*>(ptr) + p.offset * ctx_.elem_size() : nullptr;
     p.storage->set_data_ptr_noswap(c10::DataPtr(slot, ctx_.device));
   }
 }

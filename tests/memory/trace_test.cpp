@@ -1,52 +1,27 @@
-// The trace format: JSON round trip, the errors a reader gives, atomic writes,
-// and the report's figures computed from a known trace.
+// The trace format (JSON round trip, the errors a reader gives, atomic
+// writes) and the simulator: its figures for known sequences, and its
+// victims against a real chunk manager's.
 #include "strata/memory/trace.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "error_of.h"
+#include "memory/sample_trace.h"
 #include "strata/core/error.h"
+#include "strata/memory/chunk_manager.h"
+#include "strata/memory/eviction_policy.h"
+#include "strata/offload/device_memory.h"
 
 namespace strata::memory {
 namespace {
 
-Trace sample() {
-  Trace t;
-  t.device = "emulated in host memory";
-  t.non_model_source = "test";
-  t.policy = "auto";
-  t.budgets = {4096, 1 << 20, 0};
-  t.chunks.push_back({0, 0, "param", "fp32", 4096, 1024, 1000});
-  t.chunks.push_back({1, 0, "grad", "bf16", 4096, 2048, 2048});
-  TraceOp a;
-  a.index = 0;
-  a.name = "aten::addmm";
-  a.phase = "forward";
-  a.seconds = 0.002;
-  a.chunks = {{0, "host"}};
-  a.model_bytes = {4096, 4096, 0};
-  a.non_model_bytes = 100;
-  a.non_model_peak = 300;
-  a.moves = {{"host", "device", 4096, 1, 4096}};
-  a.started = {{"host", "device", 4096, 1, 0}};
-  a.stall_seconds = 0.001;
-  a.stall_bytes = 4096;
-  TraceOp b = a;
-  b.index = 1;
-  b.name = "aten::gelu";
-  b.phase = "backward";
-  b.chunks.clear();
-  b.non_model_peak = 900;
-  b.moves = {{"host", "device", 4096, 1, 0}, {"device", "host", 8192, 2, 4096}};
-  t.ops = {a, b};
-  t.steps.push_back({0, 0, 2, 0.01});
-  return t;
-}
+Trace sample() { return testing::sample_trace(); }
 
 TEST(Trace, JsonRoundTrip) {
   const Trace t = sample();
@@ -94,113 +69,6 @@ TEST(Trace, WriteIsAtomicAndReadBack) {
   std::filesystem::remove_all(dir);
 }
 
-// Three layers' forwards, then backward: blocks.0 keeps 300 bytes (its
-// operators and the GELU after it), blocks.1 keeps 500, the head 0.
-Trace layered() {
-  Trace t = sample();
-  t.params = {"blocks.0.fc.weight", "blocks.1.fc.weight", "head.weight"};
-  const auto op = [](const std::string& name, const std::string& phase, std::vector<int64_t> params, uint64_t after,
-                     uint64_t peak, double seconds) {
-    TraceOp o;
-    o.name = name;
-    o.phase = phase;
-    o.params = std::move(params);
-    o.non_model_bytes = after;
-    o.non_model_peak = peak;
-    o.seconds = seconds;
-    return o;
-  };
-  t.ops = {op("aten::embedding", "forward", {}, 1000, 1000, 0.001),
-           op("aten::addmm", "forward", {0}, 1200, 1200, 0.002),
-           op("aten::gelu", "forward", {}, 1300, 1300, 0.001),
-           op("aten::addmm", "forward", {1}, 1700, 1700, 0.003),
-           op("aten::tanh", "forward", {}, 1800, 1800, 0.001),
-           op("aten::addmm", "forward", {2}, 1800, 1900, 0.004),
-           op("aten::mm", "backward", {1}, 1500, 2000, 0.002),
-           op("strata::optimizer_step", "optimizer", {}, 0, 5000, 0.01)};
-  for (size_t i = 0; i < t.ops.size(); ++i) t.ops[i].index = static_cast<int64_t>(i);
-  t.steps = {{0, 0, static_cast<int64_t>(t.ops.size()), 0.05}};
-  return t;
-}
-
-TEST(Trace, ActivationsPerLayerAndTheEffectOfCheckpointing) {
-  const Trace t = layered();
-  const std::vector<LayerActivations> layers = layer_activations(t);
-  ASSERT_EQ(layers.size(), 3u);
-  EXPECT_EQ(layers[0].layer, "blocks.0");
-  EXPECT_EQ(layers[0].kept_bytes, 300u);
-  EXPECT_EQ(layers[0].ops, 2);
-  EXPECT_NEAR(layers[0].forward_seconds, 0.003, 1e-12);
-  EXPECT_EQ(layers[1].layer, "blocks.1");
-  EXPECT_EQ(layers[1].kept_bytes, 500u);
-  EXPECT_EQ(layers[2].layer, "head");  // at most all but the last component
-  EXPECT_EQ(layers[2].kept_bytes, 0u);
-  // Depth 1: every block is one layer "blocks".
-  const std::vector<LayerActivations> shallow = layer_activations(t, 1);
-  ASSERT_EQ(shallow.size(), 2u);
-  EXPECT_EQ(shallow[0].kept_bytes, 800u);
-
-  const CheckpointPrediction p = predict_checkpointing(t, {"blocks.*"});
-  EXPECT_EQ(p.layers, (std::vector<std::string>{"blocks.0", "blocks.1"}));
-  EXPECT_EQ(p.freed_bytes, 800u);
-  EXPECT_EQ(p.peak_before, 2000u);       // the optimizer's workspace is not an activation
-  EXPECT_EQ(p.peak_after, 2000u - 300u);  // blocks.1's 500 come back while it is recomputed
-  EXPECT_NEAR(p.recompute_seconds, 0.007, 1e-12);
-  const std::string error = error_of([&] { predict_checkpointing(t, {"blocks.7"}); });
-  EXPECT_NE(error.find("no layer matches blocks.7"), std::string::npos) << error;
-  EXPECT_NE(format_trace_report(t).find("blocks.1"), std::string::npos);
-}
-
-TEST(Trace, ReportSumsMovesStallsAndPadding) {
-  const std::string r = format_trace_report(sample(), 1);
-  EXPECT_NE(r.find("1 steps, 2 operators"), std::string::npos) << r;
-  EXPECT_NE(r.find("host -> device         8.00 KiB        2       4.00 KiB"), std::string::npos) << r;
-  EXPECT_NE(r.find("device -> host         8.00 KiB        2       4.00 KiB"), std::string::npos) << r;
-  EXPECT_NE(r.find("waits for moves in flight: 2.00 ms (8.00 KiB), 20.0% of step time"), std::string::npos) << r;
-  EXPECT_NE(r.find("non-model peak at operator #1 aten::gelu (backward)"), std::string::npos) << r;
-  EXPECT_NE(r.find("top 1 operators"), std::string::npos) << r;
-  EXPECT_EQ(r.find("aten::addmm                          forward"), std::string::npos) << "only the top 1";
-  // 1000 fp32 of 4096 bytes and 2048 bf16 of 4096 bytes: 8096 of 8192 used.
-  EXPECT_NE(r.find("8.00 KiB allocated, 98.8% used by tensors, 96 B padding"), std::string::npos) << r;
-  // One parameter chunk, used by one operator per step, fits the 4 KiB budget: moved once, either way.
-  EXPECT_NE(r.find("replayed at this device budget, host -> device: 4.00 KiB under lru, 4.00 KiB under static, "
-                   "4.00 KiB under auto"),
-            std::string::npos) << r;
-}
-
-TEST(Trace, ChromeExportHasOperatorsMovesAndCounters) {
-  const nlohmann::json j = nlohmann::json::parse(export_chrome_trace(sample()));
-  int ops = 0, moves = 0, counters = 0, steps = 0;
-  for (const auto& e : j.at("traceEvents")) {
-    const std::string ph = e.at("ph");
-    if (ph == "X" && e.at("tid") == 2) ops += 1;
-    if (ph == "X" && e.at("tid") == 3) moves += 1;
-    if (ph == "X" && e.at("tid") == 1) steps += 1;
-    if (ph == "C" && e.at("name") == "model bytes") {
-      counters += 1;
-      EXPECT_EQ(e.at("args").at("device"), 4096);
-    }
-  }
-  EXPECT_EQ(ops, 2);
-  EXPECT_EQ(moves, 3) << "one slice per tier pair per operator";
-  EXPECT_EQ(steps, 1);
-  EXPECT_EQ(counters, 2);
-}
-
-TEST(Trace, SvgHasAPanelPerTierWithSeriesAndBudgets) {
-  Trace t = sample();
-  t.device = "a <device> & co";
-  const std::string svg = plot_trace_svg(t);
-  EXPECT_EQ(svg.rfind("<svg xmlns=\"http://www.w3.org/2000/svg\"", 0), 0u);
-  for (const char* id : {"id=\"device\"", "id=\"host\"", "id=\"nvme\"", "class=\"model\"", "class=\"non-model\"",
-                         "class=\"budget\"", "class=\"move\"", "class=\"step\""}) {
-    EXPECT_NE(svg.find(id), std::string::npos) << id;
-  }
-  EXPECT_NE(svg.find("a &lt;device&gt; &amp; co"), std::string::npos) << "text is escaped";
-  EXPECT_EQ(svg.find("<device>"), std::string::npos);
-  EXPECT_NE(svg.find("budget 4.00 KiB"), std::string::npos);
-  EXPECT_EQ(svg.substr(svg.size() - 7), "</svg>\n");
-}
 
 // Three 4 KiB parameter chunks in three families, used forward 0 1 2 and
 // backward 2 1 0, each operator taking 2 s of compute, then the optimizer.
@@ -319,6 +187,138 @@ TEST(Simulate, NvmeHomedStateAndHostSpillPerStep) {
   EXPECT_DOUBLE_EQ(r.nvme_stall_seconds, reads);
   so.prefetch = true;
   EXPECT_LT(simulate_trace(t, so).nvme_stall_seconds, reads) << "reads overlap backward and the updates";
+}
+
+// Note [Replaying a trace]: the simulator chooses its victims with the policy
+// object the engine uses, among the chunks the chunk manager would offer. Two
+// steps of a model with six parameter chunks of three sizes (forward, an
+// output operator on the first two layers' chunks, backward in reverse, then
+// the optimizer taking every chunk home) replay through a real ChunkManager,
+// the operator's chunks pinned in COMPUTE one after another as the engine
+// pins them (static placement returning the streamed ones first, as the
+// engine's residency does), and through simulate_trace: the same chunks
+// leave the device in the same order, for every policy and for budgets from
+// tight to roomy. (A simulator that offered the operator's pinned chunks as
+// victims, or did not count a hit as a use, fails it.)
+TEST(Simulate, EvictsWhatTheChunkManagerEvicts) {
+  for (const PolicyKind kind : {PolicyKind::kLru, PolicyKind::kAuto, PolicyKind::kStatic}) {
+    for (const uint64_t budget : {uint64_t{16384}, uint64_t{24576}, uint64_t{36864}}) {
+      SCOPED_TRACE(std::string(policy_name(kind)) + " at " + std::to_string(budget) + " bytes");
+      ChunkManagerOptions mo;
+      mo.budgets = {budget, 1 << 20, 0};
+      mo.device = offload::make_emulated_device_memory();
+      mo.policy = make_policy(kind);
+      auto* const planner = dynamic_cast<TracePolicy*>(mo.policy.get());
+      auto* const placement = dynamic_cast<StaticPolicy*>(mo.policy.get());
+      ChunkManager mgr(std::move(mo));
+      std::vector<ChunkId> chunks;  // the parameter chunks, in registration (forward) order
+      for (const int64_t elems : {1024, 2048, 3072, 1024, 2048, 3072}) {
+        const Registration reg = mgr.register_tensors({{"t" + std::to_string(chunks.size()), elems}}, FamilySpec{},
+                                                      elems);
+        chunks.push_back(mgr.family(reg.families.at(0)).param);
+        mgr.access(chunks.back(), Tier::kHost);  // a trained model's chunks start on host
+        mgr.transition(chunks.back(), 0, TensorState::kHold);
+      }
+      Trace t;
+      t.policy = policy_name(kind);
+      t.budgets = {budget, 1 << 20, 0};
+      std::vector<std::pair<ChunkId, uint64_t>> params;
+      for (size_t i = 0; i < chunks.size(); ++i) {
+        const uint64_t bytes = mgr.chunk(chunks[i]).alloc_bytes();
+        t.chunks.push_back({chunks[i], static_cast<int32_t>(i), "param", "fp32", bytes, 0, 0});
+        params.emplace_back(chunks[i], bytes);
+      }
+      if (placement != nullptr) placement->set_held(static_held_chunks(params, -1.0, budget));
+      std::vector<std::vector<ChunkId>> step;
+      for (size_t i = 0; i < chunks.size(); ++i) step.push_back({chunks[i]});
+      step.push_back({chunks[0], chunks[1]});  // an output layer on the first two layers' parameters (tied)
+      for (size_t i = chunks.size(); i-- > 0;) step.push_back({chunks[i]});
+      for (int s = 0; s < 2; ++s) {
+        const int64_t first = static_cast<int64_t>(t.ops.size());
+        for (size_t k = 0; k < step.size(); ++k) {
+          TraceOp op;
+          op.index = static_cast<int64_t>(t.ops.size());
+          op.step = s;
+          op.name = "aten::mm";
+          op.phase = k < chunks.size() + 1 ? "forward" : "backward";
+          op.seconds = 1.0;
+          for (ChunkId c : step[k]) op.chunks.push_back({c, "host"});
+          t.ops.push_back(op);
+        }
+        TraceOp opt;
+        opt.index = static_cast<int64_t>(t.ops.size());
+        opt.step = s;
+        opt.name = "strata::optimizer_step";
+        opt.phase = "optimizer";
+        t.ops.push_back(opt);
+        t.steps.push_back({s, first, static_cast<int64_t>(t.ops.size()), 0.0});
+      }
+      if (planner != nullptr) {
+        std::vector<std::vector<ChunkId>> plan;
+        for (int s = 0; s < 2; ++s) plan.insert(plan.end(), step.begin(), step.end());
+        planner->set_plan(plan);
+      }
+
+      // The chunk manager: each eviction is a device -> host placement not asked for.
+      std::vector<std::pair<int64_t, int64_t>> evicted;
+      int64_t current = -1;
+      bool homing = false;
+      mgr.set_placement_listener([&](const Chunk& c, std::optional<Tier> tier, void*) {
+        if (!homing && tier == Tier::kHost) evicted.emplace_back(current, c.id());
+      });
+      int64_t k = 0;
+      std::vector<ChunkId> streamed;  // static: the last operator's chunks that are not held
+      for (const TraceOp& op : t.ops) {
+        current = op.index;
+        if (op.phase == "optimizer") {
+          homing = true;
+          for (ChunkId c : chunks) {
+            if (mgr.chunk(c).resident_on(Tier::kDevice)) mgr.move(c, Tier::kHost);
+          }
+          homing = false;
+          streamed.clear();
+          continue;
+        }
+        if (planner != nullptr) planner->set_cursor(k++);
+        if (placement != nullptr) {  // Residency::return_streamed: the last operator's streamed chunks go home
+          homing = true;
+          for (ChunkId c : streamed) {
+            const bool used = std::any_of(op.chunks.begin(), op.chunks.end(), [&](const TraceTouch& t) {
+              return t.chunk == c;
+            });
+            if (!used && mgr.chunk(c).resident_on(Tier::kDevice)) mgr.move(c, Tier::kHost);
+          }
+          homing = false;
+          streamed.clear();
+          for (const TraceTouch& t : op.chunks) {
+            if (!placement->held(static_cast<ChunkId>(t.chunk))) streamed.push_back(static_cast<ChunkId>(t.chunk));
+          }
+        }
+        for (const TraceTouch& touch : op.chunks) {
+          const ChunkId c = static_cast<ChunkId>(touch.chunk);
+          mgr.access(c, Tier::kDevice);
+          mgr.transition(c, 0, TensorState::kCompute);
+        }
+        for (const TraceTouch& touch : op.chunks) mgr.transition(static_cast<ChunkId>(touch.chunk), 0,
+                                                                 TensorState::kHold);
+      }
+
+      SimulateOptions so;
+      so.device_budget = budget;
+      so.policy = policy_name(kind);
+      so.static_param_fraction = -1.0;
+      so.prefetch = false;  // the replay above moves nothing ahead
+      so.record_evictions = true;
+      const SimulateResult r = simulate_trace(t, so);
+      ASSERT_TRUE(r.fits) << r.why;
+      EXPECT_EQ(r.evicted, evicted);
+      EXPECT_EQ(r.evictions, mgr.tier_stats(Tier::kDevice).evictions);
+      EXPECT_EQ(r.h2d_bytes, mgr.move_stats().bytes[1][0] + mgr.move_stats().bytes[2][0]);
+      if (budget == 16384 && kind != PolicyKind::kStatic) {  // static streams instead: it returns chunks itself
+        EXPECT_GT(r.evictions, 0u) << "the tight budget must evict";
+      }
+    }
+  }
 }
 
 }  // namespace

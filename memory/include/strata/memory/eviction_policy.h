@@ -13,6 +13,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <string>
 #include <unordered_map>
 #include <unordered_set>
 #include <vector>
@@ -121,6 +122,16 @@ class StaticPolicy final : public EvictionPolicy {
   mutable std::mutex mu_;
   std::unordered_set<ChunkId> held_;
 };
+
+/// The device policies, as EngineOptions::policy and `strata trace simulate
+/// --policy` name them: lru (LruPolicy), auto (TracePolicy, the plan and
+/// its prefetch), static (StaticPolicy). The engine and the simulator both
+/// make theirs with make_policy(), so a replay chooses victims as a run does.
+enum class PolicyKind { kLru, kAuto, kStatic };
+const char* policy_name(PolicyKind kind);
+/// Throws strata::Error listing the names for anything else.
+PolicyKind parse_policy(const std::string& name);
+std::unique_ptr<EvictionPolicy> make_policy(PolicyKind kind);
 
 /// The chunks static placement holds on the device: the longest prefix of
 /// `param_chunks` (with their sizes) whose bytes stay within `fraction` of

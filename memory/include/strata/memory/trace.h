@@ -5,12 +5,14 @@
 //
 // The engine records a trace when EngineOptions::trace_path is set (or
 // STRATA_TRACE=path for any program using the engine); this header is the
-// data model and its JSON, free of LibTorch.
+// data model and its JSON, free of LibTorch; what the tool prints from it
+// (report, per-layer activations, Chrome export, SVG) is tools/trace_views.h.
 
 #include <array>
 #include <cstdint>
 #include <string>
 #include <vector>
+#include <utility>
 
 #include "strata/memory/types.h"
 
@@ -84,56 +86,6 @@ std::string trace_to_json(const Trace& trace);
 /// another version, a missing field.
 Trace trace_from_json(const std::string& text);
 
-/// The text summary of `strata trace report`: peak bytes per tier (model and
-/// non-model) against the budgets, bytes moved per tier pair, stall time and
-/// its share of the step, the `top` operators by non-model memory, and chunk
-/// utilisation (padding waste).
-std::string format_trace_report(const Trace& trace, size_t top = 10);
-
-/// Note [Activations per layer]
-/// A layer is a parameter name cut to its first `depth` components (at most
-/// all but the last): depth 2 makes "blocks.3.qkv.weight" the layer
-/// "blocks.3". Over the last traced step's forward, each operator belongs to
-/// the layer of the first parameter it used, or to the layer before it when
-/// it used none (a GELU between two Linear layers). A layer's kept bytes are
-/// the growth of non-model bytes (live after each operator) over its run of
-/// operators: what it leaves for backward, its saved activations, which is
-/// what checkpointing it would free (its input was made before it, so it stays
-/// counted where it was made). A layer met twice (a tied embedding) adds up.
-struct LayerActivations {
-  std::string layer;
-  uint64_t kept_bytes = 0;
-  double forward_seconds = 0.0;  // its operators' traced time less their stalls (hook work included)
-  int64_t ops = 0;
-};
-/// In order of first use; empty when the trace names no parameters.
-std::vector<LayerActivations> layer_activations(const Trace& trace, int depth = 2);
-
-/// What checkpointing the layers matching `patterns` would do, from the
-/// trace (a pattern is a layer name, or a prefix ending in '*'): forward
-/// keeps none of their activations, so the non-model peak drops by their kept
-/// bytes, less the largest of them, which comes back while its layer is
-/// recomputed in backward; each step runs their forwards again.
-struct CheckpointPrediction {
-  std::vector<std::string> layers;  // the layers matched
-  uint64_t freed_bytes = 0;         // their kept bytes
-  uint64_t peak_before = 0, peak_after = 0;  // non-model peak of the last traced step
-  double recompute_seconds = 0.0;   // per step, at most: their forward time as traced
-  double step_seconds = 0.0;        // the last traced step as traced
-};
-CheckpointPrediction predict_checkpointing(const Trace& trace, const std::vector<std::string>& patterns,
-                                           int depth = 2);
-
-/// Chrome trace event format (loads in Perfetto and chrome://tracing):
-/// operators as slices per phase, steps, chunk moves as slices on a track of
-/// their own, and counters of model bytes per tier and non-model bytes.
-std::string export_chrome_trace(const Trace& trace);
-
-/// A self-contained SVG: model bytes per tier and non-model bytes over the
-/// operator index, one panel per tier, with the budget lines, step
-/// boundaries and the operators during which chunks moved marked.
-std::string plot_trace_svg(const Trace& trace);
-
 /// Writes to `path` through a temporary file and a rename: a reader never
 /// sees half a trace. I/O errors are strata::Error naming the path.
 void write_trace(const Trace& trace, const std::string& path);
@@ -152,9 +104,11 @@ namespace strata::memory {
 /// Device tier, operator by operator: each operator's parameter chunks must be
 /// on the device together (those already placed for it are pinned); a chunk
 /// that is not there comes from host; room is made by evicting one chunk at a
-/// time (lru: least recently used; auto: the chunk whose next use in the trace
-/// is furthest, Belady; static: streamed chunks before held ones, Note [Static
-/// placement]); static returns the previous operator's streamed chunks to host
+/// time, by the policy object the engine itself uses (make_policy(): lru,
+/// least recently used; auto, TracePolicy with the traced operators as its
+/// plan, Belady; static, streamed chunks before held ones, Note [Static
+/// placement]), among the chunks neither pinned for the operator nor still
+/// arriving, as ChunkManager::make_room offers them; static returns the previous operator's streamed chunks to host
 /// first; the optimizer step takes every parameter chunk to host, as the
 /// engine's step does. With prefetch under auto, after an operator's chunks
 /// are in, the next 4 operators' missing chunks are loaded when they all fit
@@ -187,6 +141,7 @@ struct SimulateOptions {
   double d2h_bytes_per_s = 10e9;
   double nvme_read_bytes_per_s = 2e9;
   double nvme_write_bytes_per_s = 1e9;
+  bool record_evictions = false;  // fill SimulateResult::evicted
 };
 
 struct SimulateResult {
@@ -198,6 +153,9 @@ struct SimulateResult {
   uint64_t h2d_count = 0, d2h_count = 0;
   uint64_t evictions = 0;
   uint64_t prefetched_bytes = 0;  // of h2d_bytes, loaded ahead of use
+  /// With SimulateOptions::record_evictions: each eviction, in order, as the
+  /// trace index of the operator that made room and the chunk it evicted.
+  std::vector<std::pair<int64_t, int64_t>> evicted;
   // Per step, steady state:
   size_t nvme_optim_families = 0;
   uint64_t nvme_read_bytes = 0, nvme_write_bytes = 0;
