@@ -327,6 +327,7 @@ void ChunkManager::transfer(Chunk& c, Tier to, Lock& lock) {
   const ChunkId key = c.id_;
   const offload::DeviceEvent last_use = c.last_use_;
   offload::DeviceEvent arrival;  // Note [Arrivals on the device]
+  std::shared_ptr<const void> view;
   lock.unlock();  // the bytes move without the lock; `c` is busy, so nobody else touches it
   std::exception_ptr failure;
   try {
@@ -351,6 +352,7 @@ void ChunkManager::transfer(Chunk& c, Tier to, Lock& lock) {
     } else {
       device_->copy_to_host(dst, src, bytes, last_use);  // after the operators that wrote it
     }
+    if (to == Tier::kNvme) view = nvme_->view(key);  // Note [Parameters on NVMe stay readable]
   } catch (...) {
     failure = std::current_exception();
   }
@@ -373,6 +375,7 @@ void ChunkManager::transfer(Chunk& c, Tier to, Lock& lock) {
   free_payload(c, arrival);  // a host source goes back once the copy read it
   c.ptr_ = dst;
   c.location_ = to;
+  if (to == Tier::kNvme) c.nvme_view_ = std::move(view);
   c.last_use_ = arrival;
   placed(c);
   moves_.bytes[static_cast<int>(from)][static_cast<int>(to)] += bytes;
@@ -477,8 +480,12 @@ void ChunkManager::set_placement_listener(PlacementListener listener) {
   placement_listener_ = std::move(listener);
 }
 
-void ChunkManager::placed(const Chunk& c) const {
-  if (placement_listener_) placement_listener_(c, c.location_, c.ptr_);
+// See Note [Parameters on NVMe stay readable].
+void ChunkManager::placed(Chunk& c) const {
+  const bool on_nvme = c.location_ == Tier::kNvme;
+  void* address = on_nvme ? const_cast<void*>(c.nvme_view_.get()) : c.ptr_;
+  if (placement_listener_) placement_listener_(c, c.location_, address);
+  if (!on_nvme) c.nvme_view_.reset();
 }
 
 void ChunkManager::account(Tier tier, int64_t bytes, int64_t chunks) {

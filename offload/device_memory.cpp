@@ -29,9 +29,8 @@ class TicketEvent final : public DeviceEvent::Impl {
 // Emulated segments: anonymous mappings, which cost nothing until touched and
 // go back to the system when released.
 void* map_segment(size_t bytes) {
-  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-  STRATA_CHECK(p != MAP_FAILED, "cannot map ", format_bytes(bytes), " for the emulated device: ", std::strerror(errno));
-  return p;
+  return STRATA_SYSCALL(::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0),
+                        "cannot map ", format_bytes(bytes), " for the emulated device");
 }
 
 // Payloads from a DeviceArena over the backing's segments (Note [The device

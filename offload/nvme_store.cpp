@@ -1,62 +1,28 @@
 #include "strata/offload/nvme_store.h"
 
-#include <dirent.h>
-#include <fcntl.h>
-#include <liburing.h>
-#include <signal.h>
-#include <sys/file.h>
-#include <sys/stat.h>
-#include <unistd.h>
+// The store proper: chunk records and their checksums (Note [NVMe store
+// integrity]), transfers split into block requests, and streamed transfers
+// through the staging blocks. Its files are nvme_files.cpp, its io_uring
+// nvme_ring.cpp, its fault injection fault_injector.cpp.
+#include <sys/mman.h>
 #include <xxhash.h>
 
 #include <algorithm>
 #include <condition_variable>
-#include <cstring>
+#include <cstdio>
+#include <cstdlib>
 #include <mutex>
-#include <thread>
+#include <optional>
 #include <unordered_map>
 
+#include "nvme_files.h"
+#include "nvme_ring.h"
 #include "strata/core/bytes.h"
 #include "strata/core/error.h"
-#include "strata/core/log.h"
 #include "strata/offload/cuda_runtime.h"
 #include "strata/offload/extent_allocator.h"
 
-// Requests travel to the reaper thread through the kernel, which
-// ThreadSanitizer cannot see; these annotations tell it about that ordering.
-#if defined(__SANITIZE_THREAD__)
-extern "C" void __tsan_acquire(void* addr);
-extern "C" void __tsan_release(void* addr);
-#define STRATA_TSAN_RELEASE(p) __tsan_release(p)
-#define STRATA_TSAN_ACQUIRE(p) __tsan_acquire(p)
-#else
-#define STRATA_TSAN_RELEASE(p) ((void)(p))
-#define STRATA_TSAN_ACQUIRE(p) ((void)(p))
-#endif
-
 namespace strata::offload {
-
-// --- fault injection ---------------------------------------------------------
-
-void FaultInjector::fail_request(int64_t nth, int error) {
-  error_ = error;
-  fail_at_ = seen_.load() + nth;
-}
-void FaultInjector::shorten_request(int64_t nth) { short_at_ = seen_.load() + nth; }
-void FaultInjector::corrupt_request(int64_t nth, size_t byte) {
-  byte_ = byte;
-  corrupt_at_ = seen_.load() + nth;
-}
-
-FaultInjector::Fate FaultInjector::next() {
-  const int64_t n = ++seen_;
-  Fate f;
-  if (n == fail_at_.load()) f.error = error_.load();
-  f.shorten = n == short_at_.load();
-  f.corrupt = n == corrupt_at_.load();
-  f.byte = byte_.load();
-  return f;
-}
 
 // --- transfers -----------------------------------------------------------------
 
@@ -81,33 +47,8 @@ struct Block {
   uint64_t file_offset;
   size_t len;
   char* buf;
-  int buf_index;  // registered buffer, or -1
   FaultInjector::Fate fate;
 };
-
-std::string errno_text(int err) {
-  char buf[128];
-  return std::string(strerror_r(err, buf, sizeof(buf)));
-}
-
-void make_private_dir(const std::string& dir) {
-  STRATA_CHECK(!dir.empty(), "the NVMe store needs a directory; set nvme_dir");
-  std::string path;
-  size_t pos = 0;
-  while (pos != std::string::npos) {
-    pos = dir.find('/', pos + 1);
-    path = dir.substr(0, pos);
-    if (path.empty()) continue;
-    if (::mkdir(path.c_str(), 0700) != 0 && errno != EEXIST) {
-      STRATA_FAIL("cannot create NVMe store directory ", path, ": ", errno_text(errno));
-    }
-  }
-  struct stat st {};
-  STRATA_CHECK(::stat(dir.c_str(), &st) == 0 && S_ISDIR(st.st_mode), "NVMe store path ", dir,
-               " is not a directory");
-}
-
-std::atomic<int> g_store_counter{0};
 
 IoTicket make_op(bool is_read, int64_t key, void* buf, size_t bytes) {
   auto op = std::make_shared<IoOp>();
@@ -122,13 +63,7 @@ IoTicket make_op(bool is_read, int64_t key, void* buf, size_t bytes) {
 
 struct NvmeStore::Impl {
   NvmeStoreOptions opt;
-  std::vector<std::string> paths;
-  std::vector<int> fds;
-  bool fixed_files = false;
-  std::vector<std::pair<char*, size_t>> fixed_buffers;
-  std::vector<LeftoverFile> leftovers;
-  io_uring ring{};
-  bool ring_ready = false;
+  std::optional<detail::StoreFiles> files;
   std::unique_ptr<ExtentAllocator> alloc;
 
   struct Record {
@@ -143,13 +78,12 @@ struct NvmeStore::Impl {
   unsigned inflight = 0;
   NvmeStoreStats stats;
 
-  std::mutex submit_mu;  // the submission queue
-  std::thread reaper;
-
   std::mutex stream_mu;  // one streamed transfer at a time: it owns the staging blocks
   std::vector<char*> staging;
   bool staging_pinned = false;
   std::vector<std::pair<void*, size_t>> user_buffers;
+  // Last: stopped first, while everything its completions touch still lives.
+  std::optional<detail::IoRing> ring;
 
   // A fresh extent for a new copy of `key`, or a clear "store full" error.
   Extent allocate_extent(int64_t key, size_t bytes) {
@@ -185,160 +119,30 @@ struct NvmeStore::Impl {
   }
 
   void register_all_buffers() {
-    std::vector<iovec> iov;
-    fixed_buffers.clear();
-    for (char* p : staging) iov.push_back({p, opt.block_bytes});
-    for (const auto& [p, n] : user_buffers) iov.push_back({p, n});
-    if (iov.empty()) return;
-    std::lock_guard<std::mutex> lock(submit_mu);
-    io_uring_unregister_buffers(&ring);  // fails harmlessly when none are registered
-    const int rc = io_uring_register_buffers(&ring, iov.data(), static_cast<unsigned>(iov.size()));
-    if (rc != 0) {
-      STRATA_LOG(kWarn, "io_uring_register_buffers failed ({}); transfers use unregistered buffers", errno_text(-rc));
-      return;
-    }
-    for (const iovec& v : iov) fixed_buffers.emplace_back(static_cast<char*>(v.iov_base), v.iov_len);
+    std::vector<std::pair<char*, size_t>> regions;
+    for (char* p : staging) regions.emplace_back(p, opt.block_bytes);
+    for (const auto& [p, n] : user_buffers) regions.emplace_back(static_cast<char*>(p), n);
+    ring->register_buffers(regions);
   }
 
-  ~Impl() { teardown(); }
-
-  void teardown() noexcept {
-    if (ring_ready) {
-      {
-        std::unique_lock<std::mutex> lock(mu);
-        cv.wait(lock, [&] { return inflight == 0; });
-      }
-      {
-        std::lock_guard<std::mutex> lock(submit_mu);
-        io_uring_sqe* sqe = io_uring_get_sqe(&ring);
-        if (sqe != nullptr) {
-          io_uring_prep_nop(sqe);
-          io_uring_sqe_set_data(sqe, nullptr);  // tells the reaper to stop
-          int rc;
-          do rc = io_uring_submit(&ring);
-          while (rc == -EINTR || rc == -EAGAIN);
-        }
-      }
-      if (reaper.joinable()) reaper.join();
-      io_uring_queue_exit(&ring);
-      ring_ready = false;
+  ~Impl() {
+    if (ring) {
+      std::unique_lock<std::mutex> lock(mu);
+      cv.wait(lock, [&] { return inflight == 0; });
     }
+    ring.reset();
     for (char* p : staging) {
       if (staging_pinned) cuda::host_unregister(p);
       std::free(p);
     }
-    staging.clear();
-    for (size_t i = 0; i < fds.size(); ++i) {
-      if (fds[i] >= 0) ::close(fds[i]);
-      if (::unlink(paths[i].c_str()) != 0) {
-        STRATA_LOG(kWarn, "could not remove NVMe store file {}: {}", paths[i], errno_text(errno));
-      }
-    }
-    fds.clear();
-  }
-
-  void reclaim_leftovers() {
-    DIR* d = ::opendir(opt.directory.c_str());
-    STRATA_CHECK(d != nullptr, "cannot list NVMe store directory ", opt.directory, ": ", errno_text(errno));
-    while (dirent* e = ::readdir(d)) {
-      const std::string name = e->d_name;
-      if (name.rfind("strata-store-", 0) != 0 || name.size() < 4 || name.substr(name.size() - 4) != ".bin") continue;
-      const std::string path = opt.directory + "/" + name;
-      const int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
-      if (fd < 0) continue;
-      // A live store holds a lock on each of its files. A file nobody locks,
-      // or whose owner (the pid in its name) is gone, belongs to a run that
-      // did not shut down; the owner's io_uring can hold the lock for a
-      // moment after the process died, hence the pid check.
-      const pid_t owner = static_cast<pid_t>(std::atol(name.c_str() + std::strlen("strata-store-")));
-      const bool owner_gone = owner > 0 && ::kill(owner, 0) != 0 && errno == ESRCH;
-      if (::flock(fd, LOCK_EX | LOCK_NB) == 0 || owner_gone) {
-        struct stat st {};
-        ::fstat(fd, &st);
-        leftovers.push_back({path, static_cast<uint64_t>(st.st_size)});
-        ::unlink(path.c_str());
-        STRATA_LOG(kWarn, "reclaimed NVMe store file {} ({}) left by a run that did not shut down", path,
-                   format_bytes(st.st_size));
-      }
-      ::close(fd);
-    }
-    ::closedir(d);
-  }
-
-  void create_files() {
-    const int id = g_store_counter++;
-    std::vector<uint64_t> sizes;
-    uint64_t remaining = round_up(opt.capacity, kAlignment);
-    const uint64_t max_file = std::max<uint64_t>(round_up(opt.max_file_bytes, kAlignment), kAlignment);
-    for (int i = 0; remaining > 0; ++i) {
-      const uint64_t bytes = std::min(remaining, max_file);
-      const std::string path = opt.directory + "/strata-store-" + std::to_string(::getpid()) + "-" +
-                               std::to_string(id) + "-" + std::to_string(i) + ".bin";
-      const int flags = O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | (opt.direct_io ? O_DIRECT : 0);
-      const int fd = ::open(path.c_str(), flags, 0600);
-      STRATA_CHECK(fd >= 0, "cannot create NVMe store file ", path, ": ", errno_text(errno),
-                   errno == EINVAL && opt.direct_io ? " (the file system may not support O_DIRECT)" : "");
-      paths.push_back(path);
-      fds.push_back(fd);
-      STRATA_CHECK(::flock(fd, LOCK_EX | LOCK_NB) == 0, "cannot lock NVMe store file ", path, ": ",
-                   errno_text(errno));
-      int rc;
-      do rc = ::fallocate(fd, 0, 0, static_cast<off_t>(bytes));
-      while (rc != 0 && errno == EINTR);
-      STRATA_CHECK(rc == 0, "cannot preallocate ", format_bytes(bytes), " for NVMe store file ", path, ": ",
-                   errno_text(errno), "; lower the nvme budget or choose a directory with more free space");
-      sizes.push_back(bytes);
-      remaining -= bytes;
-    }
-    alloc = std::make_unique<ExtentAllocator>(sizes, kAlignment);
-  }
-
-  void start_ring() {
-    const int rc = io_uring_queue_init(opt.queue_depth, &ring, 0);
-    STRATA_CHECK(rc == 0, "io_uring is unavailable (io_uring_queue_init: ", errno_text(-rc),
-                 "); the NVMe tier needs it (see `strata info`)");
-    ring_ready = true;
-    if (!fds.empty()) {
-      const int reg = io_uring_register_files(&ring, fds.data(), static_cast<unsigned>(fds.size()));
-      fixed_files = reg == 0;
-      if (!fixed_files) STRATA_LOG(kInfo, "io_uring_register_files failed ({}); using plain fds", errno_text(-reg));
-    }
-    reaper = std::thread([this] { reap(); });
-  }
-
-  int buffer_index(const char* p, size_t len) const {
-    for (size_t i = 0; i < fixed_buffers.size(); ++i) {
-      if (p >= fixed_buffers[i].first && p + len <= fixed_buffers[i].first + fixed_buffers[i].second) {
-        return static_cast<int>(i);
-      }
-    }
-    return -1;
-  }
-
-  void reap() {
-    for (;;) {
-      io_uring_cqe* cqe = nullptr;
-      const int rc = io_uring_wait_cqe(&ring, &cqe);
-      if (rc == -EINTR || rc == -EAGAIN) continue;
-      if (rc < 0) {
-        STRATA_LOG(kError, "io_uring_wait_cqe failed: {}", errno_text(-rc));
-        continue;
-      }
-      auto* block = static_cast<Block*>(io_uring_cqe_get_data(cqe));
-      const int res = cqe->res;
-      io_uring_cqe_seen(&ring, cqe);
-      if (block == nullptr) return;
-      complete(block, res);
-    }
   }
 
   std::string where(const IoOp& op, const Block& b) const {
-    return paths[op.extent.file] + " offset " + std::to_string(b.file_offset) + " (block of " +
+    return files->paths()[op.extent.file] + " offset " + std::to_string(b.file_offset) + " (block of " +
            std::to_string(b.len) + " bytes)";
   }
 
   void complete(Block* b, int res) {
-    STRATA_TSAN_ACQUIRE(b);
     {
       // Taken first: the block travelled through the kernel, and this lock is
       // what orders its fields (written before submit() took it) for this thread.
@@ -352,7 +156,7 @@ struct NvmeStore::Impl {
       if (op.error.empty()) {
         if (res < 0) {
           op.error = std::string("NVMe ") + (op.is_read ? "read" : "write") + " of chunk " + std::to_string(op.key) +
-                     " failed at " + where(op, *b) + ": errno " + std::to_string(-res) + " (" + errno_text(-res) + ")";
+                     " failed at " + where(op, *b) + ": " + errno_text(-res) + " (errno " + std::to_string(-res) + ")";
         } else if (static_cast<size_t>(res) != b->len) {
           op.error = std::string("short NVMe ") + (op.is_read ? "read" : "write") + " of chunk " +
                      std::to_string(op.key) + " at " + where(op, *b) + ": " + std::to_string(res) + " of " +
@@ -384,50 +188,27 @@ struct NvmeStore::Impl {
 
   void submit(const IoTicket& op) {
     std::vector<Block*> blocks;
+    std::vector<detail::IoRequest> requests;
     for (size_t done = 0; done < op->bytes; done += opt.block_bytes) {
       const size_t len = std::min(opt.block_bytes, op->bytes - done);
-      auto* b = new Block{op, op->extent.offset + done, len, op->buf + done, buffer_index(op->buf + done, len),
+      auto* b = new Block{op, op->extent.offset + done, len, op->buf + done,
                           opt.faults ? opt.faults->next() : FaultInjector::Fate{}};
-      blocks.push_back(b);
+      requests.push_back({op->is_read, static_cast<int>(op->extent.file), b->file_offset, b->buf, len, b});
     }
     {
       std::lock_guard<std::mutex> lock(mu);
-      op->pending = static_cast<int>(blocks.size());
+      op->pending = static_cast<int>(requests.size());
     }
     size_t next = 0;
-    while (next < blocks.size()) {
+    while (next < requests.size()) {
       unsigned n;
       {
         std::unique_lock<std::mutex> lock(mu);
         cv.wait(lock, [&] { return inflight < opt.queue_depth; });
-        n = static_cast<unsigned>(std::min<size_t>(opt.queue_depth - inflight, blocks.size() - next));
+        n = static_cast<unsigned>(std::min<size_t>(opt.queue_depth - inflight, requests.size() - next));
         inflight += n;
       }
-      std::lock_guard<std::mutex> lock(submit_mu);
-      for (unsigned k = 0; k < n; ++k) {
-        Block* b = blocks[next + k];
-        io_uring_sqe* sqe = io_uring_get_sqe(&ring);
-        STRATA_ASSERT(sqe != nullptr, "submission queue full with ", inflight, " of ", opt.queue_depth, " in flight");
-        const int fd = fixed_files ? op->extent.file : fds[op->extent.file];
-        if (op->is_read) {
-          if (b->buf_index >= 0) {
-            io_uring_prep_read_fixed(sqe, fd, b->buf, static_cast<unsigned>(b->len), b->file_offset, b->buf_index);
-          } else {
-            io_uring_prep_read(sqe, fd, b->buf, static_cast<unsigned>(b->len), b->file_offset);
-          }
-        } else if (b->buf_index >= 0) {
-          io_uring_prep_write_fixed(sqe, fd, b->buf, static_cast<unsigned>(b->len), b->file_offset, b->buf_index);
-        } else {
-          io_uring_prep_write(sqe, fd, b->buf, static_cast<unsigned>(b->len), b->file_offset);
-        }
-        if (fixed_files) sqe->flags |= IOSQE_FIXED_FILE;
-        io_uring_sqe_set_data(sqe, b);
-        STRATA_TSAN_RELEASE(b);
-      }
-      int rc;
-      do rc = io_uring_submit(&ring);
-      while (rc == -EINTR || rc == -EAGAIN);
-      STRATA_CHECK_NEG_ERRNO(rc, "submitting NVMe requests for chunk ", op->key);
+      ring->submit(requests.data() + next, n);
       next += n;
     }
   }
@@ -449,10 +230,10 @@ NvmeStore::NvmeStore(NvmeStoreOptions options) : impl_(std::make_unique<Impl>())
                s.opt.queue_depth);
   STRATA_CHECK(s.opt.block_bytes >= kAlignment && s.opt.block_bytes % kAlignment == 0,
                "NVMe block size must be a multiple of 4096 bytes, got ", s.opt.block_bytes);
-  make_private_dir(s.opt.directory);
-  s.reclaim_leftovers();
-  s.create_files();
-  s.start_ring();
+  s.files.emplace(s.opt.directory, s.opt.capacity, s.opt.max_file_bytes, s.opt.direct_io, kAlignment);
+  s.alloc = std::make_unique<ExtentAllocator>(s.files->sizes(), kAlignment);
+  s.ring.emplace(s.opt.queue_depth, s.files->fds(),
+                 [&s](void* block, int res) { s.complete(static_cast<Block*>(block), res); });
   s.stats.capacity = s.alloc->capacity();
   STRATA_CHECK(s.opt.staging_blocks >= 2, "the NVMe store needs at least 2 staging blocks, got ", s.opt.staging_blocks);
   s.staging_pinned = true;
@@ -521,7 +302,7 @@ bool NvmeStore::test(const IoTicket& op) {
       std::snprintf(hex, sizeof(hex), "%016llx, read %016llx", static_cast<unsigned long long>(op->checksum),
                     static_cast<unsigned long long>(got));
       op->error = "NVMe chunk " + std::to_string(op->key) + " is corrupt: checksum mismatch reading " +
-                  s.paths[op->extent.file] + " offset " + std::to_string(op->extent.offset) + " (" +
+                  s.files->paths()[op->extent.file] + " offset " + std::to_string(op->extent.offset) + " (" +
                   std::to_string(op->bytes) + " bytes): stored xxh3 " + hex;
     }
   }
@@ -596,7 +377,7 @@ void NvmeStore::read_streamed(int64_t key, size_t bytes, const BlockSink& sink) 
   const uint64_t got = XXH3_64bits_digest(state);
   XXH3_freeState(state);
   STRATA_CHECK(got == checksum, "NVMe chunk ", key, " is corrupt: checksum mismatch streaming ",
-               s.paths[whole.file], " offset ", whole.offset, " (", bytes, " bytes)");
+               s.files->paths()[whole.file], " offset ", whole.offset, " (", bytes, " bytes)");
 }
 
 void NvmeStore::write_streamed(int64_t key, size_t bytes, const BlockSource& source) {
@@ -643,14 +424,32 @@ void NvmeStore::write_streamed(int64_t key, size_t bytes, const BlockSource& sou
 
 NvmeStoreStats NvmeStore::stats() const {
   std::lock_guard<std::mutex> lock(impl_->mu);
-  return impl_->stats;
+  NvmeStoreStats s = impl_->stats;
+  s.fixed_requests = impl_->ring->fixed_requests();
+  s.registered_buffers = impl_->ring->registered_buffers();
+  return s;
 }
 
-const std::vector<LeftoverFile>& NvmeStore::reclaimed_leftovers() const { return impl_->leftovers; }
-const std::vector<std::string>& NvmeStore::files() const { return impl_->paths; }
+const std::vector<LeftoverFile>& NvmeStore::reclaimed_leftovers() const { return impl_->files->leftovers(); }
+const std::vector<std::string>& NvmeStore::files() const { return impl_->files->paths(); }
+
+std::shared_ptr<const void> NvmeStore::view(int64_t key) const {
+  Impl& s = *impl_;
+  std::lock_guard<std::mutex> lock(s.mu);
+  const auto it = s.records.find(key);
+  if (it == s.records.end()) return nullptr;
+  const Extent& e = it->second.extent;
+  const size_t bytes = it->second.bytes;
+  void* p = nullptr;
+  const int fd = s.files->fds()[e.file];
+  if (STRATA_SYSCALL_ERRNO(p = ::mmap(nullptr, bytes, PROT_READ, MAP_SHARED, fd, static_cast<off_t>(e.offset))) != 0) {
+    return nullptr;  // a view is an addition: the chunk stays readable through read()
+  }
+  return std::shared_ptr<const void>(p, [bytes](const void* q) { ::munmap(const_cast<void*>(q), bytes); });
+}
 
 std::string NvmeStore::describe() const {
-  return "NVMe store in " + impl_->opt.directory + " (" + std::to_string(impl_->paths.size()) + " files, " +
+  return "NVMe store in " + impl_->opt.directory + " (" + std::to_string(impl_->files->paths().size()) + " files, " +
          format_bytes(impl_->alloc ? impl_->alloc->capacity() : 0) + ")";
 }
 

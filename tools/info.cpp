@@ -17,6 +17,9 @@
 #if defined(STRATA_HAVE_GLOO)
 #include <gloo/config.h>
 #endif
+#if defined(STRATA_HAVE_NCCL)
+#include <nccl.h>
+#endif
 
 namespace strata::tools {
 
@@ -32,6 +35,8 @@ struct Info {
   std::string jemalloc;
   std::string libtorch;
   std::string gloo;
+  bool nccl_compiled = false;
+  int nccl_version = 0;  // e.g. 22703, from ncclGetVersion (the library loaded, not the header)
 };
 
 Info gather() {
@@ -52,6 +57,10 @@ Info gather() {
   i.gloo = fmt::format("{}.{}.{}", GLOO_VERSION_MAJOR, GLOO_VERSION_MINOR, GLOO_VERSION_PATCH);
 #else
   i.gloo = "not found";
+#endif
+#if defined(STRATA_HAVE_NCCL)
+  i.nccl_compiled = true;
+  if (ncclGetVersion(&i.nccl_version) != ncclSuccess) i.nccl_version = NCCL_VERSION_CODE;
 #endif
   return i;
 }
@@ -86,7 +95,7 @@ void print_text(const Info& i) {
     fmt::print("{:<10}not compiled (no CUDA toolkit at build time)\n", "cuda:");
   }
   fmt::print("{:<10}{}\n", "nccl:",
-             i.cuda.nccl_compiled ? offload::cuda::format_nccl_version(i.cuda.nccl_version) : "not compiled");
+             i.nccl_compiled ? offload::cuda::format_nccl_version(i.nccl_version) : "not compiled");
   fmt::print("{:<10}{} ({}); kernel {}; liburing {}\n", "io_uring:", i.uring.available ? "available" : "unavailable",
              i.uring.detail, i.uring.kernel_release, i.uring.liburing_version);
   fmt::print("{:<10}{}\n", "jemalloc:", i.jemalloc);
@@ -108,7 +117,7 @@ void print_json(const Info& i) {
                {"avx512_bf16", i.features.avx512bf16}};
   j["cuda"] = {{"compiled", i.cuda.compiled}, {"runtime_version", i.cuda.runtime_version},
                {"driver_version", i.cuda.driver_version}, {"error", i.cuda.error},
-               {"nccl_compiled", i.cuda.nccl_compiled}, {"nccl_version", i.cuda.nccl_version}};
+               {"nccl_compiled", i.nccl_compiled}, {"nccl_version", i.nccl_version}};
   j["devices"] = nlohmann::json::array();
   for (const auto& d : i.cuda.devices) {
     j["devices"].push_back({{"index", d.index}, {"name", d.name}, {"total_bytes", d.total_bytes},

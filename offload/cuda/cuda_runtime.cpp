@@ -7,9 +7,6 @@
 #include <memory>
 #include <mutex>
 #include <string>
-#if defined(STRATA_HAVE_NCCL)
-#include <nccl.h>
-#endif
 
 #include "strata/core/cuda_check.h"
 #include "strata/core/error.h"
@@ -22,10 +19,6 @@ RuntimeInfo probe() {
   info.compiled = true;
   cudaRuntimeGetVersion(&info.runtime_version);
   if (cudaDriverGetVersion(&info.driver_version) != cudaSuccess) info.driver_version = 0;
-#if defined(STRATA_HAVE_NCCL)
-  info.nccl_compiled = true;
-  if (ncclGetVersion(&info.nccl_version) != ncclSuccess) info.nccl_version = NCCL_VERSION_CODE;
-#endif
   int count = 0;
   const cudaError_t err = cudaGetDeviceCount(&count);
   if (err != cudaSuccess) {

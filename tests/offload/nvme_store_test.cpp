@@ -215,13 +215,27 @@ TEST_F(NvmeStoreTest, LeftoversOfACrashedRunAreReclaimed) {
   for (const auto& f : live.files()) EXPECT_TRUE(fs::exists(f));
 }
 
+// Transfers from and into a registered region go as WRITE_FIXED / READ_FIXED
+// (every one of their block requests), transfers elsewhere do not, and the
+// data is the same either way.
 TEST_F(NvmeStoreTest, RegisteredBuffersUseFixedTransfers) {
   NvmeStore store(options());
-  Buffer region(4 << 20, 11), back(4 << 20);
-  store.register_buffers({{region.get(), region.bytes}});
+  const size_t staging = store.stats().registered_buffers;
+  ASSERT_GT(staging, 0u) << "the staging blocks could not be registered (RLIMIT_MEMLOCK?)";
+  Buffer region(4 << 20, 11), back(4 << 20), plain(1 << 20, 12), plain_back(1 << 20);
+  store.register_buffers({{region.get(), region.bytes}, {back.get(), back.bytes}});
+  EXPECT_EQ(store.stats().registered_buffers, staging + 2);
   store.write(1, region.get(), region.bytes);
   store.read(1, back.get(), back.bytes);
   EXPECT_TRUE(back == region);
+  const NvmeStoreStats fixed = store.stats();
+  EXPECT_EQ(fixed.requests, 2 * region.bytes / options().block_bytes);
+  EXPECT_EQ(fixed.fixed_requests, fixed.requests) << "every block of a registered region is a fixed transfer";
+  store.write(2, plain.get(), plain.bytes);
+  store.read(2, plain_back.get(), plain_back.bytes);
+  EXPECT_TRUE(plain_back == plain);
+  EXPECT_EQ(store.stats().fixed_requests, fixed.fixed_requests) << "unregistered memory is not";
+  EXPECT_GT(store.stats().requests, fixed.requests);
 }
 
 TEST_F(NvmeStoreTest, StreamedTransfersPipelineBlocksAndVerify) {

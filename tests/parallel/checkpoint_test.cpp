@@ -539,5 +539,49 @@ TEST(Checkpoint, TiedWeightsSurviveExportImportAndSaveLoad) {
   fs::remove_all(dir);
 }
 
+
+// Note [Parameters on NVMe stay readable]: torch::save of an attached module
+// (its pickler reads each parameter's storage, no operator the engine sees)
+// writes the parameters' current values even when device and host together
+// are smaller than the parameters, so some of their chunks are on NVMe; a
+// plain LibTorch model loads them with torch::load, equal to the same model
+// trained by plain LibTorch.
+TEST(Checkpoint, TorchSaveWhileAttachedReadsParametersOnNvme) {
+  const std::string path = temp_path("torch-save", ".pt"), nvme = temp_path("torch-save-nvme");
+  auto make = [](uint64_t seed) {
+    torch::manual_seed(seed);
+    torch::nn::Sequential m;
+    for (int i = 0; i < 12; ++i) m->push_back(torch::nn::Linear(32, 32));
+    return m;
+  };
+  auto model = make(41), reference = make(41);
+  AdamWConfig cfg;
+  torch::optim::AdamW opt = reference_adamw(*reference, cfg);
+  EngineOptions o;
+  o.chunk_elems = 2048;  // one layer (1056 elements) per 8 KiB chunk family
+  o.budgets = {3 * 8192, 5 * 8192, 16 << 20};  // 64 KiB for 12 x 8 KiB of parameters: at least 4 on NVMe
+  o.nvme_dir = nvme;
+  o.nvme_optim_fraction = 1.0;
+  auto engine = attach(*model, cfg, o);
+  torch::manual_seed(42);
+  for (int s = 0; s < 2; ++s) {
+    const torch::Tensor x = torch::randn({8, 32}), y = torch::randn({8, 32});
+    engine->train_step([&] { return torch::mse_loss(model->forward(x), y); });
+    opt.zero_grad();
+    torch::mse_loss(reference->forward(x), y).backward();
+    opt.step();
+  }
+  const uint64_t resident = engine->tier_stats(memory::Tier::kDevice).budget + engine->tier_stats(memory::Tier::kHost).budget;
+  ASSERT_LT(resident, 12u * 8192) << "the budgets must leave parameters on NVMe";
+  ASSERT_GT(engine->tier_stats(memory::Tier::kNvme).chunks, 0);
+  torch::save(model, path);
+  auto plain = make(43);
+  torch::load(plain, path);
+  expect_params_close(*reference, *plain);
+  engine.reset();
+  fs::remove(path);
+  fs::remove_all(nvme);
+}
+
 }  // namespace
 }  // namespace strata::parallel

@@ -115,6 +115,9 @@ class Chunk {
   std::shared_ptr<const ChunkLayout> layout_;
   std::optional<Tier> location_;
   void* ptr_ = nullptr;  // payload on device or host; the store holds nvme payloads
+  // On nvme: the store's read-only view of the payload, when it can map one
+  // (Note [Parameters on NVMe stay readable] in chunk_manager.h).
+  std::shared_ptr<const void> nvme_view_;
   std::vector<TensorState> states_;
   int compute_count_ = 0;
   bool busy_ = false;  // part of the move in progress: never an eviction candidate

@@ -167,10 +167,23 @@ class ChunkManager {
   /// Human summary of what is resident on `tier`, for messages and tools.
   std::string residency_report(Tier tier) const;
 
+  // Note [Parameters on NVMe stay readable]
+  // A reader outside the manager (torch::save of an attached module: its
+  // pickler reads each parameter's storage directly, no operator the engine
+  // could see) must find a parameter's bytes wherever its chunk is. So when a
+  // chunk lands on nvme, the manager asks the store for a read-only view of
+  // the stored bytes (NvmeStore: an mmap of the chunk's extent) and gives it
+  // to the listener as the chunk's address; the engine points parameter
+  // storages there. The view is dropped once the listener has seen the
+  // chunk's next placement. Reads through it are not checksummed (the
+  // manager's own reads are); writes through it fault, as a write to a
+  // chunk on no addressable tier always did: operators make chunks resident first.
+  //
   /// Called after every change of a chunk's payload (moved, materialised,
   /// released) with the chunk, its new tier (nullopt: none) and its new
-  /// address (nullptr on nvme or none), under the manager's lock: it must not
-  /// call back into the manager. The engine re-points parameter storages here.
+  /// address (nullptr for none; on nvme the store's read-only view, or
+  /// nullptr when it has none), under the manager's lock: it must not call
+  /// back into the manager. The engine re-points parameter storages here.
   using PlacementListener = std::function<void(const Chunk&, std::optional<Tier>, void*)>;
   void set_placement_listener(PlacementListener listener);
 
@@ -195,7 +208,7 @@ class ChunkManager {
   /// waits (the lock released) for the oldest one. False when there were none.
   bool settle_host_frees(Lock& lock, bool wait);
   void account(Tier tier, int64_t bytes, int64_t chunks);
-  void placed(const Chunk& c) const;
+  void placed(Chunk& c) const;
   std::string residency_report_locked(Tier tier) const;
 
   mutable std::mutex mu_;

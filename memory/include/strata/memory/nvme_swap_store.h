@@ -25,6 +25,7 @@ class NvmeSwapStore final : public SwapStore {
   void write_streamed(int64_t key, size_t bytes, const std::function<void(size_t, void*, size_t)>& source) override {
     store_.write_streamed(key, bytes, source);
   }
+  std::shared_ptr<const void> view(int64_t key) const override { return store_.view(key); }
   std::string describe() const override { return store_.describe(); }
 
   offload::NvmeStore& store() { return store_; }

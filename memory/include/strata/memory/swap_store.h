@@ -2,9 +2,10 @@
 // SwapStore: the interface the `nvme` tier plugs into.
 //
 // The chunk manager keeps a chunk's bytes on the nvme tier by handing them to
-// a SwapStore under the chunk's id. The offload issue provides the real store
-// (NvmeStore: preallocated files, O_DIRECT io_uring, xxhash per chunk, fault
-// injection); this header fixes what the manager relies on:
+// a SwapStore under the chunk's id. The real store is offload's NvmeStore
+// (preallocated files, O_DIRECT io_uring, xxhash per chunk, fault
+// injection; memory/nvme_swap_store.h adapts it); this header fixes what the
+// manager relies on:
 //  - write() either stores all bytes under `key` or throws strata::Error, and a
 //    failed write leaves any earlier copy under `key` readable;
 //  - read() returns exactly the bytes last written, or throws (short read,
@@ -14,13 +15,16 @@
 //  - read_streamed / write_streamed move a chunk block by block through the
 //    store's own staging buffers, handing each block to a callback while the
 //    next ones are in flight (device <-> nvme without a host-tier copy), with
-//    the same integrity and failure guarantees.
+//    the same integrity and failure guarantees;
+//  - view() maps the bytes stored under `key` read-only into memory, for
+//    readers outside the manager (Note [Parameters on NVMe stay readable]).
 // The calls block the calling thread; the ChunkManager runs them without its
 // lock held and on the copy engine for prefetches.
 
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 
 namespace strata::memory {
@@ -38,6 +42,13 @@ class SwapStore {
                              const std::function<void(size_t offset, const void* data, size_t len)>& sink) = 0;
   virtual void write_streamed(int64_t key, size_t bytes,
                               const std::function<void(size_t offset, void* data, size_t len)>& source) = 0;
+  /// The bytes stored under `key`, mapped read-only, valid while the mapping
+  /// is held and `key` is neither written again nor discarded; null when the
+  /// store cannot map them. Reads through it are not checksummed.
+  virtual std::shared_ptr<const void> view(int64_t key) const {
+    (void)key;
+    return nullptr;
+  }
   /// For messages: "nvme store at /scratch/strata (3 files)".
   virtual std::string describe() const = 0;
 };

@@ -12,7 +12,7 @@ namespace strata::memory {
 enum class Tier : uint8_t {
   kDevice = 0,  // GPU memory, or host memory emulating it (offload::DeviceMemory)
   kHost = 1,    // CPU memory from the strata host arena, pinned under CUDA
-  kNvme = 2,    // a SwapStore on local disk (the offload issue's NvmeStore)
+  kNvme = 2,    // a SwapStore on local disk (offload's NvmeStore, through NvmeSwapStore)
 };
 constexpr int kNumTiers = 3;
 

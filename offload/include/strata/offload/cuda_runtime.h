@@ -27,8 +27,6 @@ struct RuntimeInfo {
   int driver_version = 0;    // 0 when no driver is installed
   std::string error;         // why no device is usable, when devices is empty
   std::vector<DeviceInfo> devices;
-  bool nccl_compiled = false;
-  int nccl_version = 0;      // e.g. 22703, from ncclGetVersion
 };
 
 /// Queries the runtime once. Never throws: a missing driver or device is

@@ -26,6 +26,10 @@
 //
 // Fault injection: a FaultInjector fails the Nth request with a chosen errno,
 // shortens it, or flips a byte of a read, for tests.
+//
+// Sources by job: nvme_store.cpp (records, checksums, transfers and streamed
+// staging), nvme_files.cpp (the directory, the files, their locks and the
+// leftovers), nvme_ring.cpp (the io_uring and its reaper), fault_injector.cpp.
 
 #include <atomic>
 #include <cstddef>
@@ -86,7 +90,9 @@ struct NvmeStoreStats {
   uint64_t chunks = 0;
   uint64_t bytes_written = 0;
   uint64_t bytes_read = 0;
-  uint64_t requests = 0;
+  uint64_t requests = 0;        // block requests completed
+  uint64_t fixed_requests = 0;  // of the requests submitted, those through registered buffers (READ/WRITE_FIXED)
+  size_t registered_buffers = 0;  // regions registered with the ring now: staging blocks and register_buffers()
 };
 
 struct IoOp;
@@ -142,6 +148,11 @@ class NvmeStore {
   NvmeStoreStats stats() const;
   const std::vector<LeftoverFile>& reclaimed_leftovers() const;
   const std::vector<std::string>& files() const;
+  /// The bytes stored under `key`, mapped read-only (mmap of its extent,
+  /// MAP_SHARED): valid while held and until `key` is written again or
+  /// discarded. Not checksummed: readers that need the integrity guarantee
+  /// use read(). Null when `key` is not stored or the mapping fails.
+  std::shared_ptr<const void> view(int64_t key) const;
   std::string describe() const;
 
  private:
