@@ -1,7 +1,7 @@
 #pragma once
 // Engine::Impl: the engine's components over one shared context, and the
 // order they run in. attach.cpp builds it (attach and detach), engine.cpp
-// runs a step through it, checkpoint.cpp saves and loads its state.
+// runs a step through it, checkpoint_save.cpp and checkpoint_load.cpp save and load its state.
 // Private to strata_parallel: not installed, not included by users.
 //
 // The components, each a file of its own (docs/architecture.md):
@@ -54,6 +54,11 @@ struct Engine::Impl final : OpObserver {
        std::shared_ptr<Communicator> comm);
   /// Gives the parameters owned fp32 memory again (attach.cpp).
   ~Impl() override;
+
+  /// Engine::save and Engine::load, one step per member function
+  /// (checkpoint_save.cpp, checkpoint_load.cpp; the format is checkpoint_format.h).
+  struct CheckpointSave;
+  struct CheckpointLoad;
 
   StepResult train_step(const std::function<torch::Tensor()>& loss_fn, const std::function<void()>& before_step);
   torch::Tensor run(const std::function<torch::Tensor()>& fn);

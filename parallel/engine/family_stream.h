@@ -2,7 +2,7 @@
 // Checkpoint streaming: visiting the chunk families one at a time with their
 // chunks pinned on host, so that save, load, weight export and detach never
 // hold more than one family's chunks beyond what training holds (Note
-// [Saving a checkpoint] in checkpoint.cpp).
+// [Saving a checkpoint] in checkpoint_format.h).
 
 #include <functional>
 #include <vector>

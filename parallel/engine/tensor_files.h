@@ -1,6 +1,6 @@
 #pragma once
-// Small helpers shared by the engine's tensor-file code (checkpoint.cpp,
-// weights.cpp): shapes and the safetensors names of dtypes.
+// Small helpers shared by the engine's tensor-file code (checkpoint_save.cpp,
+// checkpoint_load.cpp, weights.cpp): shapes and the safetensors names of dtypes.
 // Private to strata_parallel.
 
 #include <fmt/format.h>

@@ -67,8 +67,7 @@ void Engine::export_weights(const std::string& whole_path) {
       w->append(c.data_ptr(), static_cast<size_t>(c.numel()) * sizeof(float));
     }
     w->finish();
-    STRATA_CHECK(::rename(tmp.c_str(), path.c_str()) == 0, "cannot rename ", tmp, " to ", path, ": ",
-                 std::strerror(errno));
+    STRATA_SYSCALL(::rename(tmp.c_str(), path.c_str()), "cannot rename ", tmp, " to ", path);
     // The rename is durable only once the directory entry is on disk.
     checkpoint::sync_directory(std::filesystem::absolute(path).parent_path().string());
   });
