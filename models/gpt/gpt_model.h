@@ -1,7 +1,7 @@
 #pragma once
-// The decoder-only transformer of examples/gpt, written with plain LibTorch
-// modules, and its byte-level corpus. `strata bench step` trains the same
-// model, so the benchmark measures what the example runs.
+// A decoder-only transformer written with plain LibTorch modules, and its
+// byte-level corpus: the model examples/gpt trains and `strata bench step`
+// measures, so the benchmark measures what the example runs.
 
 #include <torch/torch.h>
 
