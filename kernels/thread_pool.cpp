@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <condition_variable>
 #include <cstdlib>
+#include <exception>
+#include <utility>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -61,6 +63,18 @@ struct ThreadPool::Impl {
   bool stop = false;
   const std::function<void(int64_t, int64_t)>* job = nullptr;
   std::vector<std::pair<int64_t, int64_t>> ranges;
+  std::exception_ptr failure;  // the first range that threw, rethrown by parallel_for
+
+  // Runs one range; a throw is kept for the caller, so every range still finishes.
+  void run_range(const std::function<void(int64_t, int64_t)>& fn, std::pair<int64_t, int64_t> range) {
+    if (range.first >= range.second) return;
+    try {
+      fn(range.first, range.second);
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(mu);
+      if (!failure) failure = std::current_exception();
+    }
+  }
 
   void worker(int index) {
     bind_to_core(index);
@@ -73,7 +87,7 @@ struct ThreadPool::Impl {
       const auto range = ranges[index];
       const auto* fn = job;
       lock.unlock();
-      if (range.first < range.second) (*fn)(range.first, range.second);
+      run_range(*fn, range);
       lock.lock();
       if (--pending == 0) done.notify_one();
     }
@@ -124,13 +138,15 @@ void ThreadPool::parallel_for(int64_t n, int64_t grain, int64_t min_per_thread,
     impl_->ranges = ranges;
     impl_->job = &fn;
     impl_->pending = impl_->threads - 1;
+    impl_->failure = nullptr;
     ++impl_->generation;
   }
   impl_->wake.notify_all();
-  fn(ranges[0].first, ranges[0].second);
+  impl_->run_range(fn, ranges[0]);
   std::unique_lock<std::mutex> lock(impl_->mu);
   impl_->done.wait(lock, [&] { return impl_->pending == 0; });
   impl_->job = nullptr;
+  if (impl_->failure) std::rethrow_exception(std::exchange(impl_->failure, nullptr));
 }
 
 namespace {

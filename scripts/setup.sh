@@ -173,13 +173,14 @@ start=$SECONDS
 echo "sanitizer run took $((SECONDS - start)) s"
 
 # The concurrent parts (chunk manager threads, copy engine, NVMe store, the
-# device arena's deferred frees and the emulated copy streams) under ThreadSanitizer.
+# kernel thread pool, the device arena's deferred frees and the emulated copy
+# streams) under ThreadSanitizer.
 configure_and_build build-tsan -DSTRATA_TSAN=ON -DSTRATA_WITH_TORCH=OFF -DSTRATA_WITH_CUDA=OFF \
   -DSTRATA_BUILD_EXAMPLES=OFF
 step "running the concurrency tests under ThreadSanitizer"
 start=$SECONDS
 (cd "$root/build-tsan" && TSAN_OPTIONS=halt_on_error=1 \
-  ctest -j "$jobs" -R "Concurrency|NvmeStoreTest|ThreadCount|DeviceArena|EmulatedStreams|EvictionWaits|ArrivalNotTheCaller|ShortOfRoomWaitsForUploads" -E "Leftovers" \
+  ctest -j "$jobs" -R "Concurrency|NvmeStoreTest|ThreadCount|DeviceArena|EmulatedStreams|EvictionWaits|ArrivalNotTheCaller|ShortOfRoomWaitsForUploads|CopyEngine|ThreadPool" -E "Leftovers" \
   --output-on-failure)
 echo "thread sanitizer run took $((SECONDS - start)) s"
 

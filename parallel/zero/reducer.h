@@ -1,9 +1,9 @@
 #pragma once
-// GradientReducer: averages gradient chunks over the data-parallel ranks
-// during backward, chunk family by chunk family (Note [Data parallel
-// gradients]): an all-reduce of the full gradient chunk at ZeRO stages 0 and
-// 1, a reduce-scatter into the rank's gradient shard at stages 2 and 3 (Note
-// [ZeRO over chunks]).
+// GradientReducer: sums gradient chunks over the data-parallel ranks during
+// backward, chunk family by chunk family (Note [Data parallel gradients]):
+// an all-reduce of the full gradient chunk at ZeRO stages 0 and 1, a
+// reduce-scatter into the rank's gradient shard at stages 2 and 3 (Note
+// [ZeRO over chunks]). The step divides by the ranks (and micro-steps).
 
 #include <atomic>
 #include <mutex>

@@ -29,16 +29,25 @@ inline EngineOptions component_options(uint64_t device_chunks, const std::string
 
 class ComponentContext {
  public:
-  /// One trainable parameter of `sizes[i]` elements each, random values from `seed`.
-  ComponentContext(EngineOptions options, const std::vector<int64_t>& sizes, uint64_t seed = 1) {
+  /// One trainable parameter of `sizes[i]` elements each, random values from
+  /// `seed` (the same on every thread). With `comm` of more than one rank: data parallel at ZeRO
+  /// `options.zero_stage`, rank 0's values broadcast, as attach does.
+  ComponentContext(EngineOptions options, const std::vector<int64_t>& sizes, uint64_t seed = 1,
+                   std::shared_ptr<Communicator> comm = nullptr) {
     ctx.options = options;
+    if (comm != nullptr && comm->world_size() > 1) {
+      ctx.comm = std::move(comm);
+      ctx.stage = options.zero_stage;
+      ctx.rank = ctx.comm->rank();
+    }
     ctx.compute = scalar_type_of(options.precision);
     make_chunk_manager(ctx, residency.make_policy());
-    torch::manual_seed(seed);
+    // A generator of its own: contexts built on several threads (ranks) draw the same values.
+    at::Generator gen = at::detail::createCPUGenerator(seed);
     for (size_t i = 0; i < sizes.size(); ++i) {
       ManagedParam p;
       p.name = "p" + std::to_string(i);
-      p.tensor = torch::randn({sizes[i]}).requires_grad_();
+      p.tensor = torch::randn({sizes[i]}, gen).requires_grad_();
       p.numel = sizes[i];
       initial.push_back(p.tensor.detach().clone());
       ctx.params.push_back(p);

@@ -3,7 +3,9 @@
 // through hwloc. parallel_for splits [0, n) into one contiguous range per
 // thread (aligned to `grain` elements), so every thread streams through one
 // long range; the calling thread runs the first range itself. Callers on
-// several threads take turns: one parallel_for runs at a time.
+// several threads take turns: one split parallel_for runs at a time. When a
+// range throws, the others still run to their end, and parallel_for rethrows
+// the first exception once none is running (fn never outlives the call).
 
 #include <cstdint>
 #include <functional>
