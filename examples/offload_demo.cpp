@@ -7,8 +7,8 @@
 // others, device -> host -> nvme as the budgets demand), pinned in COMPUTE,
 // used through zero-copy tensor views, and released to HOLD. The output is
 // compared with the unmodified module's forward on the same input: it must be
-// bit-identical, and no tier may exceed its budget. Until the engine issue
-// lands (attach, op hooks, training), this is the end-to-end demonstration.
+// bit-identical, and no tier may exceed its budget. It shows the memory layer
+// alone, below the engine: training through attach is examples/gpt.
 //
 //   offload_demo [--layers 8] [--hidden 512] [--device-budget 24MiB] [--host-budget 40MiB]
 //                [--nvme-budget 256MiB] [--nvme-dir DIR] [--steps 3]

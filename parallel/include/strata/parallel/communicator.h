@@ -115,8 +115,8 @@ inline std::vector<double> all_gather_values(Communicator& comm, const std::vect
 /// The world as a dp x pp x tp x sp grid, sp varying fastest, then tp, pp and
 /// dp: rank = ((dp_i * pp + pp_i) * tp + tp_i) * sp + sp_i, so tensor and
 /// sequence groups are neighbouring ranks (one node). Each rank joins the
-/// four groups along the axes through it; the later tensor, pipeline and
-/// sequence layers take their groups from here.
+/// four groups along the axes through it; callers take the data, pipeline,
+/// tensor and sequence groups for their layers from here.
 struct DeviceMesh {
   enum Axis { kData = 0, kPipeline = 1, kTensor = 2, kSequence = 3 };
   std::array<int, 4> dims{1, 1, 1, 1};    // dp, pp, tp, sp

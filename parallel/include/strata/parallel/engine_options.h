@@ -109,8 +109,6 @@ struct EngineOptions {
   void validate() const;
 };
 
-/// Model state bytes per parameter for a precision: parameter and gradient in
-/// that precision, fp32 master (unless fp32), AdamW exp_avg and exp_avg_sq.
 /// Bytes of model state per parameter: the parameter and its gradient in
 /// `precision`, the fp32 master in mixed precision, and `optimizer_states`
 /// fp32 state arrays (2 for Adam and AdamW, OptimizerConfig::state_count()).
