@@ -93,8 +93,6 @@ SimulateResult simulate_trace(const Trace& t, const SimulateOptions& o) {
   if (placement != nullptr) placement->set_held(static_held_chunks(param_chunks, o.static_param_fraction, o.device_budget));
   const bool prefetch = o.prefetch && planner != nullptr;
 
-  // Uses of each chunk by device operators, for Belady; past the trace's end
-  // the sequence repeats (the next step looks like the traced ones).
   // Each device operator's distinct chunks, and the position one past the
   // last device operator of its step (where the engine's plan ends).
   std::vector<size_t> device_ops;
