@@ -352,7 +352,8 @@ void ChunkManager::transfer(Chunk& c, Tier to, Lock& lock) {
     } else {
       device_->copy_to_host(dst, src, bytes, last_use);  // after the operators that wrote it
     }
-    if (to == Tier::kNvme) view = nvme_->view(key);  // Note [Parameters on NVMe stay readable]
+    // Note [Parameters on NVMe stay readable]: only parameter chunks back storages.
+    if (to == Tier::kNvme && c.role() == ChunkRole::kParam) view = nvme_->view(key);
   } catch (...) {
     failure = std::current_exception();
   }

@@ -435,11 +435,15 @@ const std::vector<std::string>& NvmeStore::files() const { return impl_->files->
 
 std::shared_ptr<const void> NvmeStore::view(int64_t key) const {
   Impl& s = *impl_;
-  std::lock_guard<std::mutex> lock(s.mu);
-  const auto it = s.records.find(key);
-  if (it == s.records.end()) return nullptr;
-  const Extent& e = it->second.extent;
-  const size_t bytes = it->second.bytes;
+  Extent e;
+  size_t bytes = 0;
+  {
+    std::lock_guard<std::mutex> lock(s.mu);  // not held across the mmap: completions take it
+    const auto it = s.records.find(key);
+    if (it == s.records.end()) return nullptr;
+    e = it->second.extent;
+    bytes = it->second.bytes;
+  }
   void* p = nullptr;
   const int fd = s.files->fds()[e.file];
   if (STRATA_SYSCALL_ERRNO(p = ::mmap(nullptr, bytes, PROT_READ, MAP_SHARED, fd, static_cast<off_t>(e.offset))) != 0) {
