@@ -53,7 +53,7 @@
 #include "gpt_model.h"
 #include "strata/core/bytes.h"
 #include "strata/core/error.h"
-#include "strata/parallel/communicator.h"
+#include "strata/parallel/device_mesh.h"
 #include "strata/parallel/engine.h"
 #include "strata/parallel/lazy_init.h"
 #include "strata/parallel/pipeline.h"
@@ -101,9 +101,9 @@ int train_pipeline(PipelineRun a) {
   std::shared_ptr<sp::Communicator> world = sp::make_gloo_communicator(rv);
   const int dp = rv.world_size / a.pp;
   sp::DeviceMesh mesh = sp::DeviceMesh::create(*world, {dp, a.pp, 1, 1});
-  const int dp_rank = mesh.coords[sp::DeviceMesh::kData];
-  std::shared_ptr<sp::Communicator> pipe_group(std::move(mesh.groups[sp::DeviceMesh::kPipeline]));
-  std::shared_ptr<sp::Communicator> data_group(std::move(mesh.groups[sp::DeviceMesh::kData]));
+  const int dp_rank = mesh.coord(sp::DeviceMesh::kData);
+  std::shared_ptr<sp::Communicator> pipe_group = mesh.group(sp::DeviceMesh::kPipeline);
+  std::shared_ptr<sp::Communicator> data_group = mesh.group(sp::DeviceMesh::kData);
   torch::manual_seed(0);
   torch::nn::Sequential layers = strata::examples::gpt_layers(a.mc);
   pl::PipelineOptions po;
@@ -332,8 +332,8 @@ int run(int argc, char** argv) {
                  " heads over --sp ", seq_ranks, ": use a head count divisible by it");
     sp_world = spp::make_gloo_communicator(r0);
     spp::DeviceMesh mesh = spp::DeviceMesh::create(*sp_world, {r0.world_size / seq_ranks, 1, 1, seq_ranks});
-    sp_dp_rank = mesh.coords[spp::DeviceMesh::kData];
-    sp_group = std::shared_ptr<spp::Communicator>(std::move(mesh.groups[spp::DeviceMesh::kSequence]));
+    sp_dp_rank = mesh.coord(spp::DeviceMesh::kData);
+    sp_group = mesh.group(spp::DeviceMesh::kSequence);
     // The attention, the shards and the positions of the chosen mode (parallel::sequence::Attention).
     spp::sequence::AttentionOptions ao;
     ao.mode = spp::sequence::parse_mode(sp_mode);
@@ -379,9 +379,9 @@ int run(int argc, char** argv) {
                  " heads: use a head count divisible by it");
     tp_world = spp::make_gloo_communicator(r0);
     spp::DeviceMesh mesh = spp::DeviceMesh::create(*tp_world, {r0.world_size / tp, 1, tp, 1});
-    tp_dp_rank = mesh.coords[spp::DeviceMesh::kData];
-    tp_group = std::shared_ptr<spp::Communicator>(std::move(mesh.groups[spp::DeviceMesh::kTensor]));
-    tp_data = std::shared_ptr<spp::Communicator>(std::move(mesh.groups[spp::DeviceMesh::kData]));
+    tp_dp_rank = mesh.coord(spp::DeviceMesh::kData);
+    tp_group = mesh.group(spp::DeviceMesh::kTensor);
+    tp_data = mesh.group(spp::DeviceMesh::kData);
     if (!grid_mode) {
       rank_params =
           spp::parallelize(*model, *tp_group, strata::examples::gpt_tensor_parallel_plan(tp_sequence)).local_params;

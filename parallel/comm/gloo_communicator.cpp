@@ -31,16 +31,6 @@
 namespace strata::parallel {
 namespace {
 
-int env_int(const char* name, int fallback) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0') return fallback;
-  char* end = nullptr;
-  const long n = std::strtol(v, &end, 10);
-  STRATA_CHECK(end != v && *end == '\0' && n >= 0 && n < (1 << 30), "environment variable ", name, "=\"", v,
-               "\" is not a non-negative integer");
-  return static_cast<int>(n);
-}
-
 // Gloo's store interface over c10d's TCPStore (the same store torchrun's
 // processes meet at), so strata does not run a store of its own.
 class C10dStore final : public gloo::rendezvous::Store {
@@ -399,26 +389,6 @@ class GlooCommunicator final : public Communicator {
 
 }  // namespace
 
-Rendezvous Rendezvous::from_env() {
-  Rendezvous r;
-  if (std::getenv("RANK") != nullptr) {
-    r.rank = env_int("RANK", 0);
-    r.world_size = env_int("WORLD_SIZE", 1);
-    r.local_rank = env_int("LOCAL_RANK", r.rank);
-    r.local_world_size = env_int("LOCAL_WORLD_SIZE", r.world_size);
-  } else if (std::getenv("SLURM_PROCID") != nullptr) {
-    r.rank = env_int("SLURM_PROCID", 0);
-    r.world_size = env_int("SLURM_NTASKS", 1);
-    r.local_rank = env_int("SLURM_LOCALID", 0);
-    r.local_world_size = env_int("SLURM_NTASKS_PER_NODE", r.world_size);
-  }
-  const char* addr = std::getenv("MASTER_ADDR");
-  if (addr != nullptr && *addr != '\0') r.master_addr = addr;
-  r.master_port = env_int("MASTER_PORT", 29500);
-  STRATA_CHECK(r.world_size >= 1 && r.rank < r.world_size, "RANK ", r.rank, " is not below WORLD_SIZE ", r.world_size);
-  return r;
-}
-
 std::unique_ptr<Communicator> make_gloo_communicator(const Rendezvous& r, CommunicatorOptions options) {
   if (const char* host = std::getenv("STRATA_COMM_HOST"); host != nullptr && *host != '\0') options.bind_host = host;
   if (const char* t = std::getenv("STRATA_COMM_TIMEOUT"); t != nullptr && *t != '\0') {  // empty: unset
@@ -427,46 +397,6 @@ std::unique_ptr<Communicator> make_gloo_communicator(const Rendezvous& r, Commun
     options.timeout = std::chrono::seconds(seconds);
   }
   return GlooCommunicator::connect(r, options);
-}
-
-}  // namespace strata::parallel
-
-namespace strata::parallel {
-
-std::vector<int> DeviceMesh::group_ranks(const std::array<int, 4>& dims, int rank, Axis axis) {
-  std::array<int, 4> c{};
-  int rest = rank;
-  for (int a = 3; a >= 0; --a) {
-    c[a] = rest % dims[a];
-    rest /= dims[a];
-  }
-  std::vector<int> ranks;
-  for (int i = 0; i < dims[axis]; ++i) {
-    c[axis] = i;
-    ranks.push_back(((c[0] * dims[1] + c[1]) * dims[2] + c[2]) * dims[3] + c[3]);
-  }
-  return ranks;
-}
-
-// See Note [Device mesh].
-DeviceMesh DeviceMesh::create(Communicator& world, std::array<int, 4> dims) {
-  int product = 1;
-  for (int d : dims) {
-    STRATA_CHECK(d >= 1, "device mesh dimensions must be at least 1");
-    product *= d;
-  }
-  STRATA_CHECK(product == world.world_size(), "a ", dims[0], " x ", dims[1], " x ", dims[2], " x ", dims[3],
-               " (dp x pp x tp x sp) mesh has ", product, " ranks, but the world has ", world.world_size());
-  DeviceMesh m;
-  m.dims = dims;
-  const char* names[] = {"dp", "pp", "tp", "sp"};
-  for (int a = 0; a < 4; ++a) {
-    const std::vector<int> ranks = group_ranks(dims, world.rank(), static_cast<Axis>(a));
-    m.coords[a] = static_cast<int>(std::find(ranks.begin(), ranks.end(), world.rank()) - ranks.begin());
-    // The group's name: its axis and its first rank, the same on every member.
-    m.groups[a] = world.split(ranks, fmt::format("mesh-{}-{}", names[a], ranks.front()));
-  }
-  return m;
 }
 
 }  // namespace strata::parallel

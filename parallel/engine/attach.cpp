@@ -113,9 +113,14 @@ Engine::Impl::Impl(torch::nn::Module& module, OptimizerConfig optimizer, EngineO
     // (Tier orders device < host < nvme): making room there evicts into the
     // communicator's tier, which may be full of those same gradients (a
     // parameter pinned on the device whose eviction victim has to go to a
-    // host tier full of gradients being reduced).
+    // host tier full of gradients being reduced). At stages 1 and 2 the
+    // optimizer step's parameter all-gathers pin a family's parameter chunk
+    // on host while the next family updates: a pin there waits for those
+    // too. Only when nothing in flight is left to wait for does the pin fail,
+    // at once, with the chunk manager's message naming the tier's budget.
     ctx.make_room = [this](Tier tier) {
-      return static_cast<int>(tier) <= static_cast<int>(ctx.comm_tier()) && reducer->settle_oldest();
+      if (static_cast<int>(tier) > static_cast<int>(ctx.comm_tier())) return false;
+      return reducer->settle_oldest() || (step_gathers != nullptr && step_gathers->settle_oldest());
     };
   }
   sink = std::make_unique<GradSink>(ctx, reducer.get());

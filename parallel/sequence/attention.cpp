@@ -18,6 +18,11 @@ const char* mode_name(Mode mode) { return enum_name(kModeNames, mode); }
 
 AttentionImpl::AttentionImpl(Communicator& g, AttentionOptions o) : group(&g), options(o) {}
 
+AttentionImpl::AttentionImpl(std::shared_ptr<Communicator> g, AttentionOptions o)
+    : group(g.get()), options(o), owner(std::move(g)) {
+  STRATA_CHECK(group != nullptr, "sequence::Attention needs a communicator (the mesh's sequence group)");
+}
+
 SequenceLayout AttentionImpl::layout() const {
   return options.mode == Mode::kRingAttention ? options.layout : SequenceLayout::kContiguous;
 }

@@ -321,8 +321,8 @@ ParallelizeResult parallelize(torch::nn::Module& module, Communicator& group, co
   return result;
 }
 
-ParallelizeResult parallelize(torch::nn::Module& module, DeviceMesh& mesh, const ParallelPlan& plan) {
-  return parallelize(module, mesh.group(DeviceMesh::kTensor), plan);
+ParallelizeResult parallelize(torch::nn::Module& module, const DeviceMesh& mesh, const ParallelPlan& plan) {
+  return parallelize(module, *mesh.group(DeviceMesh::kTensor), plan);
 }
 
 }  // namespace strata::parallel

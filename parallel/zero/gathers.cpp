@@ -237,4 +237,10 @@ void StepGathers::finish(size_t keep) {
   if (failure) std::rethrow_exception(failure);
 }
 
+bool StepGathers::settle_oldest() {
+  if (in_flight_.empty()) return false;
+  finish(in_flight_.size() - 1);
+  return true;
+}
+
 }  // namespace strata::parallel

@@ -102,6 +102,10 @@ class StepGathers {
   /// Waits for the oldest gathers until at most `keep` are in flight; the
   /// first failure is rethrown after all of those are waited for.
   void finish(size_t keep);
+  /// Waits for the oldest gather in flight and unpins its chunk; false when
+  /// none is in flight. EngineContext::make_room calls it: a family's step
+  /// that finds no room on host waits for the gathers holding it.
+  bool settle_oldest();
 
  private:
   struct ParamGather {

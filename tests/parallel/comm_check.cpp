@@ -20,7 +20,7 @@
 #include <vector>
 
 #include "strata/core/error.h"
-#include "strata/parallel/communicator.h"
+#include "strata/parallel/device_mesh.h"
 #include "strata/parallel/tensor_collectives.h"
 
 using strata::DType;
@@ -91,16 +91,31 @@ int main(int argc, char** argv) {
       // comes from the mesh's own rank arithmetic, checked here independently.
       auto m = strata::parallel::DeviceMesh::create(*comm, mesh);
       for (int a = 0; a < 4; ++a) {
-        auto& g = m.group(static_cast<strata::parallel::DeviceMesh::Axis>(a));
-        expect(g.world_size() == mesh[a] && g.rank() == m.coords[a], "mesh group size and rank");
+        auto& g = *m.group(static_cast<strata::parallel::DeviceMesh::Axis>(a));
+        expect(g.world_size() == mesh[a] && g.rank() == m.coord(static_cast<strata::parallel::DeviceMesh::Axis>(a)), "mesh group size and rank");
         float v = static_cast<float>(rank);
         g.all_reduce(&v, 1, DType::kFloat32)->wait();
         // Members differ from this rank only in coordinate a: stride = product of the faster dims.
         int stride = 1;
         for (int b = a + 1; b < 4; ++b) stride *= mesh[b];
         float want = 0;
-        for (int i = 0; i < mesh[a]; ++i) want += static_cast<float>(rank + (i - m.coords[a]) * stride);
+        for (int i = 0; i < mesh[a]; ++i) want += static_cast<float>(rank + (i - m.coords()[a]) * stride);
         expect(v == want, "mesh axis " + std::to_string(a) + " sum");
+      }
+      {
+        // The replica group: every rank that differs from this one only in dp and sp.
+        auto& g = *m.replicas();
+        expect(g.world_size() == mesh[0] * mesh[3], "replica group size");
+        float v = static_cast<float>(rank);
+        g.all_reduce(&v, 1, DType::kFloat32)->wait();
+        const int dp_stride = mesh[1] * mesh[2] * mesh[3];
+        float want = 0;
+        for (int d = 0; d < mesh[0]; ++d) {
+          for (int q = 0; q < mesh[3]; ++q) {
+            want += static_cast<float>(rank + (d - m.coords()[0]) * dp_stride + (q - m.coords()[3]));
+          }
+        }
+        expect(v == want, "replica group sum");
       }
       bool refused = false;
       try {
@@ -110,7 +125,7 @@ int main(int argc, char** argv) {
       }
       expect(refused, "a mesh of the wrong size is refused");
       std::printf("rank %d: mesh %d x %d x %d x %d at (%d, %d, %d, %d): %d checks passed\n", rank, mesh[0], mesh[1],
-                  mesh[2], mesh[3], m.coords[0], m.coords[1], m.coords[2], m.coords[3], checks);
+                  mesh[2], mesh[3], m.coords()[0], m.coords()[1], m.coords()[2], m.coords()[3], checks);
       return 0;
     }
     if (skip_at >= 0) {

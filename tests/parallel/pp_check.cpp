@@ -39,7 +39,7 @@
 #include <vector>
 
 #include "strata/core/error.h"
-#include "strata/parallel/communicator.h"
+#include "strata/parallel/device_mesh.h"
 #include "strata/parallel/engine.h"
 #include "strata/parallel/pipeline.h"
 
@@ -282,9 +282,9 @@ int main(int argc, char** argv) {
     DeviceMesh mesh = DeviceMesh::create(*world, {opt.dp, pipe_ranks, 1, 1});
     Run run;
     run.dp = opt.dp;
-    run.dp_rank = mesh.coords[DeviceMesh::kData];
-    run.pipe_group = std::shared_ptr<Communicator>(std::move(mesh.groups[DeviceMesh::kPipeline]));
-    run.data_group = std::shared_ptr<Communicator>(std::move(mesh.groups[DeviceMesh::kData]));
+    run.dp_rank = mesh.coord(DeviceMesh::kData);
+    run.pipe_group = mesh.group(DeviceMesh::kPipeline);
+    run.data_group = mesh.group(DeviceMesh::kData);
     if (opt.bad_partition || opt.empty_stage) {
       torch::nn::Sequential model = make_model();
       pp::PipelineOptions po;

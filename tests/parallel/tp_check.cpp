@@ -19,7 +19,7 @@
 #include <functional>
 
 #include "strata/core/error.h"
-#include "strata/parallel/communicator.h"
+#include "strata/parallel/device_mesh.h"
 #include "strata/parallel/engine.h"
 #include "strata/parallel/parallelize.h"
 #include "strata/parallel/tensor_collectives.h"
@@ -394,7 +394,7 @@ void plan(Communicator& comm, std::shared_ptr<Communicator> world) {
   }
   if (world->world_size() == 4) {
     DeviceMesh mesh = DeviceMesh::create(*world, {2, 1, 2, 1});
-    std::shared_ptr<Communicator> dp(std::move(mesh.groups[DeviceMesh::kData]));
+    std::shared_ptr<Communicator> dp = mesh.group(DeviceMesh::kData);
     for (int stage = 0; stage <= 2; ++stage) {
       torch::manual_seed(world->rank() + 17);
       Full ref, m;
@@ -402,7 +402,7 @@ void plan(Communicator& comm, std::shared_ptr<Communicator> world) {
       copy_module(ref, m);
       parallelize(m, mesh, full_plan());
       train_against(*world, ref, loss_of(ref), m, loss_of(m), 32, 6, DeviceBudget::kPages, dp, stage);
-      trained(ref, m, mesh.group(DeviceMesh::kTensor))();
+      trained(ref, m, *mesh.group(DeviceMesh::kTensor))();
     }
     std::printf("rank %d: tp 2 x dp 2 at ZeRO stages 0-2 matches single-process LibTorch\n", world->rank());
   }

@@ -3,10 +3,9 @@
 // on tensors, with asynchronous handles and a timeout on every operation.
 //
 // Backends: Gloo (host memory, TCP; make_gloo_communicator) and NCCL (device
-// memory, on a CUDA stream; make_nccl_communicator, built with CUDA and NCCL). Rendezvous reads the
-// variables torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
-// MASTER_ADDR, MASTER_PORT), or Slurm's, and meets through LibTorch's c10d
-// TCPStore; `strata run` (tools/run.cpp) starts local ranks with them.
+// memory, on a CUDA stream; make_nccl_communicator, built with CUDA and
+// NCCL). Ranks find each other through a Rendezvous (rendezvous.h); the
+// process groups of a job come from its DeviceMesh (device_mesh.h).
 //
 // Note [Collectives are issued in order]
 // Every rank must issue the same collectives in the same order. A
@@ -18,7 +17,6 @@
 // operation, its size, this rank and the world; the communicator is then
 // broken, and every later operation fails at once with the same message.
 
-#include <array>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -27,21 +25,9 @@
 #include <vector>
 
 #include "strata/core/dtype.h"
+#include "strata/parallel/rendezvous.h"
 
 namespace strata::parallel {
-
-struct Rendezvous {
-  int rank = 0;
-  int world_size = 1;
-  int local_rank = 0;
-  int local_world_size = 1;
-  std::string master_addr = "127.0.0.1";
-  int master_port = 29500;
-  /// torchrun's variables, or Slurm's (SLURM_PROCID, SLURM_NTASKS,
-  /// SLURM_LOCALID, SLURM_NTASKS_PER_NODE) when RANK is not set; a single
-  /// process when neither is. Errors name the variable that does not parse.
-  static Rendezvous from_env();
-};
 
 enum class ReduceOp { kSum, kMax, kMin };
 inline const char* reduce_op_name(ReduceOp op) {
@@ -110,24 +96,6 @@ inline std::vector<double> all_gather_values(Communicator& comm, const std::vect
   comm.all_gather(mine.data(), all.data(), mine.size() * sizeof(double) / sizeof(float), DType::kFloat32)->wait();
   return all;
 }
-
-/// Note [Device mesh]
-/// The world as a dp x pp x tp x sp grid, sp varying fastest, then tp, pp and
-/// dp: rank = ((dp_i * pp + pp_i) * tp + tp_i) * sp + sp_i, so tensor and
-/// sequence groups are neighbouring ranks (one node). Each rank joins the
-/// four groups along the axes through it; callers take the data, pipeline,
-/// tensor and sequence groups for their layers from here.
-struct DeviceMesh {
-  enum Axis { kData = 0, kPipeline = 1, kTensor = 2, kSequence = 3 };
-  std::array<int, 4> dims{1, 1, 1, 1};    // dp, pp, tp, sp
-  std::array<int, 4> coords{0, 0, 0, 0};  // this rank's place
-  std::array<std::unique_ptr<Communicator>, 4> groups;
-  /// The ranks (of `world`) in `rank`'s group along `axis`.
-  static std::vector<int> group_ranks(const std::array<int, 4>& dims, int rank, Axis axis);
-  /// Builds the mesh over `world`; dp * pp * tp * sp must equal its size.
-  static DeviceMesh create(Communicator& world, std::array<int, 4> dims);
-  Communicator& group(Axis axis) { return *groups[axis]; }
-};
 
 struct CommunicatorOptions {
   std::chrono::milliseconds timeout{std::chrono::seconds(300)};

@@ -29,7 +29,7 @@
 #include <utility>
 #include <vector>
 
-#include "strata/parallel/communicator.h"
+#include "strata/parallel/device_mesh.h"
 
 namespace strata::parallel {
 
@@ -103,6 +103,6 @@ struct ParallelizeResult {
 /// changes and before any collective: a bad plan leaves the module as it was.
 ParallelizeResult parallelize(torch::nn::Module& module, Communicator& group, const ParallelPlan& plan);
 /// Over the mesh's tensor axis.
-ParallelizeResult parallelize(torch::nn::Module& module, DeviceMesh& mesh, const ParallelPlan& plan);
+ParallelizeResult parallelize(torch::nn::Module& module, const DeviceMesh& mesh, const ParallelPlan& plan);
 
 }  // namespace strata::parallel

@@ -88,6 +88,9 @@ struct AttentionImpl : torch::nn::Module {
   /// The group must outlive the module. Ulysses needs the heads divisible by
   /// the group's size (checked at forward, before any collective).
   explicit AttentionImpl(Communicator& group, AttentionOptions options = {});
+  /// The same, keeping `group` alive for as long as the module (a
+  /// DeviceMesh's sequence group: DeviceMesh::group(kSequence)).
+  explicit AttentionImpl(std::shared_ptr<Communicator> group, AttentionOptions options = {});
   torch::Tensor forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v);
   /// This rank's positions of whole tensors along `dim`, in the mode's layout
   /// (split_sequence, or split_sequence_zigzag for zigzag ring attention).
@@ -99,6 +102,7 @@ struct AttentionImpl : torch::nn::Module {
 
   Communicator* group;
   AttentionOptions options;
+  std::shared_ptr<Communicator> owner;  // null when made from a Communicator&
 };
 TORCH_MODULE(Attention);
 

@@ -1,0 +1,312 @@
+// hybrid_check: a small transformer trained through parallel::Trainer under
+// a HybridPlan (dp x pp x tp x sp, ZeRO, offload budgets on every rank),
+// against the same model trained by plain LibTorch in one process on every
+// replica's batch. Run under `strata run -n <dp*pp*tp*sp>`:
+//
+//   hybrid_check [--dp D] [--pp P] [--tp T] [--sp S] [--zero Z] [--schedule S]
+//                [--microbatches M] [--sp-mode M] [--sequence-parallel]
+//                [--host-fraction F] [--steps N]
+//
+// Each step's loss must equal the reference's, every parameter this rank
+// holds must equal its part of the reference's after the last step, and the
+// trained model's evaluation output on a fixed batch must equal the
+// reference's (relative 1e-5: microbatches and the ring change the summation
+// order). The plan goes through its JSON form (HybridPlan::from_json).
+#include <fmt/format.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <string>
+#include <unistd.h>
+
+#include "strata/core/error.h"
+#include "strata/parallel/device_mesh.h"
+#include "strata/parallel/engine.h"
+#include "strata/parallel/plan.h"
+#include "strata/parallel/trainer.h"
+
+namespace {
+
+using namespace strata::parallel;
+
+constexpr int64_t kVocab = 32, kDim = 16, kHeads = 4, kContext = 16, kBatch = 4;
+
+// Plain causal attention (the reference), or the plan's sequence attention.
+torch::Tensor attend(sequence::Attention a, const torch::Tensor& q, const torch::Tensor& k,
+                     const torch::Tensor& v) {
+  if (a) return a->forward(q, k, v);
+  const int64_t t = q.size(2);
+  const torch::Tensor mask = torch::ones({t, t}, torch::kBool).triu(1);
+  torch::Tensor s = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(q.size(3)));
+  return torch::matmul(torch::softmax(s.masked_fill(mask, -1e9), -1), v);
+}
+
+struct EmbedImpl : torch::nn::Module {
+  explicit EmbedImpl(sequence::Attention a) : attention(std::move(a)) {
+    tok = register_module("tok", torch::nn::Embedding(kVocab, kDim));
+    pos = register_module("pos", torch::nn::Embedding(kContext, kDim));
+  }
+  torch::Tensor forward(const torch::Tensor& idx) {
+    const int64_t t = idx.size(1);
+    const torch::Tensor positions =
+        attention ? attention->positions(t) : torch::arange(t, torch::TensorOptions().dtype(torch::kLong));
+    return tok->forward(idx) + pos->forward(positions.to(idx.device()));
+  }
+  torch::nn::Embedding tok{nullptr}, pos{nullptr};
+  sequence::Attention attention;
+};
+TORCH_MODULE(Embed);
+
+struct BlockImpl : torch::nn::Module {
+  explicit BlockImpl(sequence::Attention a) : attention(std::move(a)) {
+    ln1 = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({kDim})));
+    // No bias: a key's bias moves every score of a query alike, so its exact
+    // gradient is zero and Adam would turn rounding noise into updates.
+    qkv = register_module("qkv", torch::nn::Linear(torch::nn::LinearOptions(kDim, 3 * kDim).bias(false)));
+    proj = register_module("proj", torch::nn::Linear(kDim, kDim));
+    ln2 = register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({kDim})));
+    up = register_module("up", torch::nn::Linear(kDim, 4 * kDim));
+    down = register_module("down", torch::nn::Linear(4 * kDim, kDim));
+    if (attention) register_module("attention", attention);
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    // Heads and positions from the tensors: tensor parallelism leaves this
+    // rank's heads in qkv's output, Megatron's sequence parallelism this
+    // rank's positions in x.
+    const int64_t b = x.size(0), hd = kDim / kHeads;
+    auto parts = qkv->forward(ln1->forward(x)).chunk(3, -1);
+    auto split = [&](const torch::Tensor& y) { return y.reshape({b, y.size(1), -1, hd}).transpose(1, 2); };
+    const torch::Tensor y = attend(attention, split(parts[0]), split(parts[1]), split(parts[2]));
+    x = x + proj->forward(y.transpose(1, 2).reshape({b, y.size(2), -1}));
+    return x + down->forward(torch::gelu(up->forward(ln2->forward(x))));
+  }
+  torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
+  torch::nn::Linear qkv{nullptr}, proj{nullptr}, up{nullptr}, down{nullptr};
+  sequence::Attention attention;
+};
+TORCH_MODULE(Block);
+
+struct HeadImpl : torch::nn::Module {
+  HeadImpl() {
+    ln = register_module("ln", torch::nn::LayerNorm(torch::nn::LayerNormOptions({kDim})));
+    out = register_module("out", torch::nn::Linear(kDim, kVocab));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return out->forward(ln->forward(x)); }
+  torch::nn::LayerNorm ln{nullptr};
+  torch::nn::Linear out{nullptr};
+};
+TORCH_MODULE(Head);
+
+torch::nn::Sequential make_model(const sequence::Attention& a) {
+  torch::manual_seed(7);
+  torch::nn::Sequential s;
+  s->push_back(Embed(a));
+  s->push_back(Block(a));
+  s->push_back(Block(a));
+  s->push_back(Head());
+  return s;
+}
+
+torch::Tensor loss_of(const torch::Tensor& logits, const torch::Tensor& targets) {
+  return torch::nn::functional::cross_entropy(logits.reshape({-1, kVocab}), targets.reshape({-1}));
+}
+
+std::pair<torch::Tensor, torch::Tensor> batch(int step, int replica) {
+  torch::manual_seed(100 + step * 17 + replica);
+  const torch::Tensor x = torch::randint(0, kVocab, {kBatch, kContext});
+  const torch::Tensor y = torch::randint(0, kVocab, {kBatch, kContext});
+  return {x, y};
+}
+
+// The module plan in the config file's words; Megatron's sequence
+// parallelism adds "sequence=1" (activations [batch, time, dim]) and shards
+// the norms and the position embedding.
+std::string layers_json(bool seq) {
+  const std::string s = seq ? "sequence=1" : "";
+  const auto with = [&](const std::string& kind, const std::string& opts) {
+    std::string all = opts;
+    if (!s.empty()) all += all.empty() ? s : ", " + s;
+    return all.empty() ? kind : kind + "(" + all + ")";
+  };
+  std::string j = fmt::format(R"j([["*.qkv", "{}"], ["*.proj", "{}"], ["*.up", "{}"], ["*.down", "{}"],
+      ["0.tok", "{}"], ["3.out", "{}"])j",
+                              with("columnwise", "fused=3"), with("rowwise", ""), with("columnwise", ""),
+                              with("rowwise", ""), with("vocab_embedding", "untied"), with("columnwise", "gather"));
+  if (seq) j += R"j(, ["*.ln1", "sequence_shard"], ["*.ln2", "sequence_shard"], ["3.ln", "sequence_shard"], ["0.pos", "sequence_shard(dim=0)"])j";
+  return j + "]";
+}
+
+struct Args {
+  int dp = 1, pp = 1, tp = 1, sp = 1, zero = 0, microbatches = 0, steps = 6;
+  std::string schedule = "1f1b", sp_mode = "ring-attention";
+  bool sequence_parallel = false;
+  double host_fraction = 0.0;  // 0: everything resident; else host budget = fraction x model state
+};
+
+// This rank's part of the reference's parameter `name` under the plan's style for it.
+torch::Tensor local_part(const std::string& name, const torch::Tensor& full, const HybridPlan& plan, int r) {
+  const int t = plan.tp.size;
+  if (t == 1) return full;
+  const auto ends = [&](const std::string& suffix) {
+    return name.size() >= suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
+  };
+  const bool bias = ends(".bias");
+  const auto rows = [&](const torch::Tensor& w, int fused) {
+    const int64_t n = w.size(0) / fused / t;
+    std::vector<torch::Tensor> blocks;
+    for (int f = 0; f < fused; ++f) blocks.push_back(w.narrow(0, f * n * t + r * n, n));
+    return torch::cat(blocks, 0);
+  };
+  if (name.find(".qkv.") != std::string::npos) return rows(full, 3);
+  if (name.find(".up.") != std::string::npos) return rows(full, 1);
+  // A gathered output keeps its bias whole (parallelize's keep_shape).
+  if (name.find(".out.") != std::string::npos) return bias ? full : rows(full, 1);
+  if (name.find(".tok.") != std::string::npos) return rows(full, 1);
+  if (name.find(".proj.") != std::string::npos || name.find(".down.") != std::string::npos) {
+    return bias ? full : full.narrow(1, full.size(1) / t * r, full.size(1) / t);
+  }
+  return full;
+}
+
+std::string nvme_dir() { return fmt::format("/tmp/strata-hybrid-check-{}", ::getpid()); }
+
+int run(const Args& a) {
+  const Rendezvous r = Rendezvous::from_env();
+  const std::string json = fmt::format(
+      R"j({{"dp": {}, "zero_stage": {}, "pipeline": {{"size": {}, "schedule": "{}", "microbatches": {}}},
+          "tensor": {{"size": {}, "sequence_parallel": {}{}}}, "sequence": {{"size": {}, "mode": "{}"}}}})j",
+      a.dp, a.zero, a.pp, a.schedule, a.microbatches, a.tp, a.sequence_parallel ? "true" : "false",
+      a.tp > 1 ? ", \"layers\": " + layers_json(a.sequence_parallel) : std::string(), a.sp, a.sp_mode);
+  ModelShape shape;
+  shape.hidden = kDim;
+  shape.heads = kHeads;
+  shape.context = kContext;
+  shape.layers = 4;
+  const HybridPlan plan = HybridPlan::from_json(json, "hybrid_check's plan").validated(r.world_size, shape);
+  DeviceMesh mesh = DeviceMesh::create(make_gloo_communicator(r), plan.dims());
+  const std::string label = plan.describe() + (a.host_fraction > 0 ? ", offload" : "");
+
+  torch::nn::Sequential reference = make_model(nullptr);
+  torch::nn::Sequential model = make_model(sequence_attention(mesh, plan));
+  int64_t params = 0;
+  for (const auto& p : model->parameters()) params += p.numel();
+  EngineOptions o;
+  o.clip_norm = 1.0;
+  const std::string nvme = nvme_dir();
+  if (a.host_fraction > 0) {
+    // Budgets from this rank's share of the state (16 bytes per parameter):
+    // device a quarter, host the fraction asked, NVMe the rest and more.
+    const double share = static_cast<double>(params) * 16 / (plan.pp.size * plan.tp.size);
+    o.budgets = {static_cast<uint64_t>(share / 4) / 4096 * 4096 + 16384,
+                 static_cast<uint64_t>(share * a.host_fraction) + 8192, static_cast<uint64_t>(share * 4) + (1 << 20)};
+    o.nvme_dir = nvme;
+  } else {
+    o.budgets = {static_cast<uint64_t>(params) * 64 + (1 << 20), static_cast<uint64_t>(params) * 64 + (1 << 20), 0};
+  }
+  AdamWConfig cfg;
+  cfg.lr = 1e-2f;
+  Trainer trainer(model, mesh, plan, OptimizerConfig::from(cfg), o, shape);
+  torch::optim::AdamW adamw(reference->parameters(), torch::optim::AdamWOptions(cfg.lr).weight_decay(cfg.weight_decay));
+
+  const int replica = mesh.coord(DeviceMesh::kData);
+  for (int s = 0; s < a.steps; ++s) {
+    adamw.zero_grad();
+    torch::Tensor total = torch::zeros({});
+    double mine = 0.0;
+    for (int d = 0; d < plan.dp; ++d) {
+      const auto [x, y] = batch(s, d);
+      const torch::Tensor l = loss_of(reference->forward(x), y);
+      if (d == replica) mine = l.item<double>();
+      total = total + l / plan.dp;
+    }
+    total.backward();
+    torch::nn::utils::clip_grad_norm_(reference->parameters(), o.clip_norm);
+    adamw.step();
+    const auto [x, y] = batch(s, replica);
+    const StepResult got = trainer.step(x, y, loss_of);
+    STRATA_CHECK(got.stepped, label, ": step ", s, " was skipped");
+    STRATA_CHECK(std::fabs(got.loss - mine) <= 1e-5 * std::max(1.0, std::fabs(mine)), label, ": step ", s, " loss ",
+                 got.loss, ", one process's ", mine);
+  }
+  // Every parameter this rank holds against its part of the reference's.
+  auto want = reference->named_parameters();
+  double worst = 0.0;
+  int compared = 0;
+  for (const auto& item : trainer.module().named_parameters()) {
+    std::string name = item.key();
+    if (plan.pp.size > 1) name = name.substr(name.find('.') + 1);  // "stage<s>.<layer>.<rest>"
+    const torch::Tensor expect = local_part(name, want[name].detach(), plan, mesh.coord(DeviceMesh::kTensor));
+    const torch::Tensor got = item.value().detach().to(torch::kCPU);
+    STRATA_CHECK(got.sizes() == expect.sizes(), label, ": parameter ", name, " has shape ", got.sizes(),
+                 ", its part of the reference ", expect.sizes());
+    const double diff = ((got - expect).norm() / expect.norm().clamp_min(1e-12)).item<double>();
+    worst = std::max(worst, diff);
+    STRATA_CHECK(diff <= 1e-5, label, ": parameter ", name, " differs from one process's by ", diff, " (relative L2)");
+    ++compared;
+  }
+  STRATA_CHECK(compared > 0, label, ": this rank holds no parameter to compare");
+  // Evaluation on a fixed batch: the whole trained model at once.
+  const auto [ex, ey] = batch(99, 0);
+  const torch::Tensor out = trainer.evaluate(ex);
+  const bool last = mesh.coord(DeviceMesh::kPipeline) == plan.pp.size - 1;
+  if (last) {
+    torch::NoGradGuard no_grad;
+    const torch::Tensor ref = trainer.shard(reference->forward(ex));
+    STRATA_CHECK(out.defined() && out.sizes() == ref.sizes(), label, ": evaluation output shape ",
+                 out.defined() ? out.sizes() : torch::IntArrayRef{}, ", one process's ", ref.sizes());
+    const double diff = ((out.to(torch::kCPU) - ref).norm() / ref.norm()).item<double>();
+    STRATA_CHECK(diff <= 1e-5, label, ": evaluation output differs from one process's by ", diff);
+  } else {
+    STRATA_CHECK(!out.defined(), label, ": a rank before the last stage got an evaluation output");
+  }
+  const RankReport rep = trainer.report();
+  if (a.host_fraction > 0) {
+    const auto& dev = rep.tiers[static_cast<int>(strata::memory::Tier::kDevice)];
+    const auto& host = rep.tiers[static_cast<int>(strata::memory::Tier::kHost)];
+    STRATA_CHECK(dev.peak <= dev.budget && host.peak <= host.budget, label, ": a tier exceeded its budget: ",
+                 rep.describe());
+  }
+  std::printf("rank %d: %s matches one process: %d steps, %d parameters within %.1e, evaluation equal\n", mesh.rank(),
+              label.c_str(), a.steps, compared, worst);
+  std::printf("%s\n", rep.describe().c_str());
+  std::fflush(stdout);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    auto next = [&] {
+      STRATA_CHECK(i + 1 < argc, arg, " needs a value");
+      return std::string(argv[++i]);
+    };
+    if (arg == "--dp") a.dp = std::stoi(next());
+    else if (arg == "--pp") a.pp = std::stoi(next());
+    else if (arg == "--tp") a.tp = std::stoi(next());
+    else if (arg == "--sp") a.sp = std::stoi(next());
+    else if (arg == "--zero") a.zero = std::stoi(next());
+    else if (arg == "--schedule") a.schedule = next();
+    else if (arg == "--microbatches") a.microbatches = std::stoi(next());
+    else if (arg == "--sp-mode") a.sp_mode = next();
+    else if (arg == "--sequence-parallel") a.sequence_parallel = true;
+    else if (arg == "--host-fraction") a.host_fraction = std::stod(next());
+    else if (arg == "--steps") a.steps = std::stoi(next());
+    else {
+      std::fprintf(stderr, "hybrid_check: unknown option %s\n", arg.c_str());
+      return 2;
+    }
+  }
+  int status = 1;
+  try {
+    status = run(a);  // the trainer and its NVMe store are gone when it returns
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "hybrid_check: %s\n", e.what());
+  }
+  std::filesystem::remove_all(nvme_dir());
+  return status;
+}
