@@ -11,6 +11,7 @@
 //       [--decay-all] [--baseline]
 //       [--save-every N] [--checkpoint-dir DIR] [--resume DIR] [--export-weights FILE]
 //       [--zero-stage 0-3] [--pp P [--pp-schedule S] [--microbatches M] [--virtual-stages V]]
+//       [--tp T [--tp-mode 1d|2d|2.5d|3d] [--sequence-parallel]] [--sp S [--sp-mode M]] [--config PLAN.json]
 //       [--lazy] [--checkpoint-activations | --offload-activations] [--preset 3b] [--sample-tokens 80]
 //
 // --save-every N saves the full training state to --checkpoint-dir every N
@@ -25,10 +26,13 @@
 // weights and embeddings (--decay-all puts every parameter in one group).
 // Under `strata run -n N` it trains data parallel, each rank on batches of its
 // own, with --zero-stage sharding optimizer state (1), gradients (2) and
-// parameters (3) over the ranks. With --pp P it trains pipeline parallel
-// (docs/pipeline.md): the model as layers cut into P stages, --schedule
-// gpipe|1f1b|interleaved-1f1b|zb-h1 (or --pp-schedule), --microbatches M,
-// and the ranks beyond P as the data axis (strata run -n 4 --pp 2: dp 2).
+// parameters (3) over the ranks. With --pp P, with --tp and --sp together,
+// or with a plan file (--config, or STRATA_PLAN) it trains the model as
+// layers through parallel::Trainer under one HybridPlan (docs/parallel.md):
+// --pp cuts it into P stages (--schedule gpipe|1f1b|interleaved-1f1b|zb-h1
+// or --pp-schedule, --microbatches M), --tp T splits it in mode 1d, --sp S
+// splits each sequence, and the ranks the axes leave form the data axis
+// (strata run -n 8 -- gpt --pp 2 --tp 2 --sp 2; strata run -n 4 --pp 2: dp 2).
 //
 // --lazy constructs the model without memory for its weights (LazyInit), each
 // parameter materialised into its chunks at attach; --preset 3b trains a
@@ -57,6 +61,8 @@
 #include "strata/parallel/engine.h"
 #include "strata/parallel/lazy_init.h"
 #include "strata/parallel/pipeline.h"
+#include "strata/parallel/plan.h"
+#include "strata/parallel/trainer.h"
 #include "strata/parallel/sequence_parallel.h"
 
 namespace {
@@ -80,71 +86,100 @@ mem::TierBudgets default_budgets(uint64_t state, const std::string& device, cons
   return {budget(device, 0.25), budget(host, 0.5), budget(nvme, 2.0)};
 }
 
-// --pp: the model as layers cut into pipeline stages (gpt_layers), each rank
-// training its stage's parameters in its own chunks with budgets sized from
-// its own model state; ranks beyond --pp form the data axis.
-struct PipelineRun {
+// The model as layers (gpt_layers) trained through a parallel::Trainer under
+// one HybridPlan (docs/parallel.md): --config FILE, or the layout flags
+// (--pp, --tp in mode 1d, --sequence-parallel, --sp, --zero-stage), in any
+// combination; the ranks the plan's axes leave form the data axis. Each rank
+// trains its part with budgets sized from its own share of the model state.
+struct PlanRun {
   const torch::Tensor& corpus;
   GptConfig mc;
-  strata::parallel::OptimizerConfig cfg;
+  std::function<strata::parallel::OptimizerConfig(torch::nn::Module&)> optimizer;
   strata::parallel::EngineOptions opts;
-  int steps, batch, pp, microbatches, virtual_stages;
-  std::string schedule, device_budget, host_budget, nvme_budget, nvme_dir;
+  strata::parallel::HybridPlan plan;
+  int steps, batch;
+  bool lazy, print_losses;
+  std::string device_budget, host_budget, nvme_budget, nvme_dir;
 };
 
-int train_pipeline(PipelineRun a) {
-  namespace sp = strata::parallel;
+// This rank's parameters under `plan`: its stages of the balanced cut the
+// trainer makes (an even share for a cut of its own), 1/tp of them.
+int64_t rank_parameters(torch::nn::Sequential& layers, const strata::parallel::HybridPlan& plan, int pipe_rank) {
   namespace pl = strata::parallel::pipeline;
+  int64_t n = 0;
+  if (plan.pp.size == 1) {
+    n = strata::examples::count_parameters(*layers);
+  } else if (plan.pp.boundaries.empty() && plan.pp.trace.empty()) {
+    const std::vector<int> cut = pl::partition_balanced(pl::parameter_costs(layers), plan.pp.size * plan.pp.virtual_stages);
+    for (int c = 0; c < plan.pp.virtual_stages; ++c) {
+      const int s = c * plan.pp.size + pipe_rank;
+      for (int i = cut[s]; i < cut[s + 1]; ++i) n += strata::examples::count_parameters(*(layers->begin() + i)->ptr());
+    }
+  } else {
+    n = strata::examples::count_parameters(*layers) / plan.pp.size;
+  }
+  return n / plan.tp.size;
+}
+
+int train_plan(PlanRun a) {
+  namespace sp = strata::parallel;
   const sp::Rendezvous rv = sp::Rendezvous::from_env();
-  STRATA_CHECK(rv.world_size % a.pp == 0, "--pp ", a.pp, " does not divide the ", rv.world_size,
-               " ranks: run strata run -n with a multiple of --pp");
-  std::shared_ptr<sp::Communicator> world = sp::make_gloo_communicator(rv);
-  const int dp = rv.world_size / a.pp;
-  sp::DeviceMesh mesh = sp::DeviceMesh::create(*world, {dp, a.pp, 1, 1});
-  const int dp_rank = mesh.coord(sp::DeviceMesh::kData);
-  std::shared_ptr<sp::Communicator> pipe_group = mesh.group(sp::DeviceMesh::kPipeline);
-  std::shared_ptr<sp::Communicator> data_group = mesh.group(sp::DeviceMesh::kData);
+  const sp::ModelShape shape{a.mc.dim, a.mc.heads, a.mc.context, a.mc.layers + 2};
+  if (a.plan.tp.size > 1 && a.plan.tp.layers.empty() && a.plan.tp.mode == sp::TensorMode::k1D) {
+    a.plan.tp.layers = strata::examples::gpt_layers_tensor_parallel_plan(a.mc, a.plan.tp.sequence_parallel);
+  }
+  const sp::HybridPlan plan = a.plan.validated(rv.world_size, shape);  // before any communicator
+  // Gloo on every machine: the pipeline's links and the example's host-side
+  // agreements run on host buffers.
+  sp::DeviceMesh mesh = sp::DeviceMesh::create(sp::make_gloo_communicator(rv), plan.dims());
+  if (plan.sp.size > 1) a.mc.sequence_attention = sp::sequence_attention(mesh, plan);
   torch::manual_seed(0);
-  torch::nn::Sequential layers = strata::examples::gpt_layers(a.mc);
-  pl::PipelineOptions po;
-  po.schedule = pl::schedule_from_name(a.schedule);
-  po.microbatches = a.microbatches;
-  po.virtual_stages = a.virtual_stages;
-  pl::Pipeline pipe(layers, pipe_group, po);
-  const int64_t params = strata::examples::count_parameters(pipe.module());
-  const uint64_t state = static_cast<uint64_t>(params) * sp::model_state_bytes_per_param(a.opts.precision, a.cfg.state_count());
+  torch::nn::Sequential layers{nullptr};
+  if (a.lazy) {
+    sp::LazyInit no_memory;  // parameters materialise into their chunks at attach
+    layers = strata::examples::gpt_layers(a.mc);
+  } else {
+    layers = strata::examples::gpt_layers(a.mc);
+  }
+  const sp::OptimizerConfig cfg = a.optimizer(*layers);
+  const int64_t params = rank_parameters(layers, plan, mesh.coord(sp::DeviceMesh::kPipeline));
+  const uint64_t state = static_cast<uint64_t>(params) * sp::model_state_bytes_per_param(a.opts.precision, cfg.state_count());
   a.opts.budgets = default_budgets(state, a.device_budget, a.host_budget, a.nvme_budget);
   a.opts.nvme_dir = a.nvme_dir + "/rank" + std::to_string(rv.rank);
-  if (!a.cfg.groups.empty()) a.cfg.groups = {sp::no_decay_group(pipe.module())};  // this stage's names
-  sp::Engine& engine = pipe.attach(a.cfg, a.opts, dp > 1 ? data_group : nullptr);
-  std::string mine;
-  for (int s : pipe.stages()) mine += fmt::format("{}{}", mine.empty() ? "" : ",", s);
-  fmt::print("pipeline {} of {} ranks ({} x dp {}), stage(s) {}, layers {}..{} of {}: {} parameters, model state {} "
-             "on budgets device {}, host {}, nvme {}; schedule {}, {} microbatches\n",
-             pipe.rank(), a.pp, a.pp, dp, mine, pipe.boundaries()[pipe.stages().front()],
-             pipe.boundaries()[pipe.stages().back() + 1] - 1, layers->size(), params, strata::format_bytes(state),
-             strata::format_bytes(a.opts.budgets.device), strata::format_bytes(a.opts.budgets.host),
-             strata::format_bytes(a.opts.budgets.nvme), a.schedule, a.microbatches);
-  torch::manual_seed(1 + dp_rank);  // each replica's own batches, the same on its stages
+  sp::Trainer trainer(layers, mesh, plan, cfg, a.opts, shape);
+  fmt::print("plan {}: rank {} at dp {}, pp {}, tp {}, sp {}; about {} parameters, model state {} on budgets device {}, "
+             "host {}, nvme {}\n",
+             plan.describe(), rv.rank, mesh.coord(sp::DeviceMesh::kData), mesh.coord(sp::DeviceMesh::kPipeline),
+             mesh.coord(sp::DeviceMesh::kTensor), mesh.coord(sp::DeviceMesh::kSequence), params,
+             strata::format_bytes(state), strata::format_bytes(a.opts.budgets.device),
+             strata::format_bytes(a.opts.budgets.host), strata::format_bytes(a.opts.budgets.nvme));
+  // Each replica its own batches, the same on all its ranks; one replica
+  // draws what one process under the plan of size 1 draws.
+  torch::manual_seed(1 + mesh.coord(sp::DeviceMesh::kData));
   const auto start = std::chrono::steady_clock::now();
   double first = 0, avg = 0;
   for (int step = 1; step <= a.steps; ++step) {
     const auto [x, y] = strata::examples::sample_batch(a.corpus, a.batch, a.mc.context);
-    const sp::StepResult r = pipe.step(x, y, strata::examples::gpt_loss);
-    if (step == 1) first = avg = r.loss;
-    avg = 0.95 * avg + 0.05 * r.loss;
+    const sp::StepResult r = trainer.step(x, y, strata::examples::gpt_loss);
+    double loss = r.loss;  // the replica's; averaged over the replicas for the log
+    if (plan.dp > 1) {
+      const std::vector<double> all = sp::all_gather_values(*mesh.group(sp::DeviceMesh::kData), {r.loss});
+      loss = 0;
+      for (double l : all) loss += l / static_cast<double>(all.size());
+    }
+    if (a.print_losses && rv.rank == 0) fmt::print("step {} loss {:.8g}\n", step, loss);
+    if (step == 1) first = avg = loss;
+    avg = 0.95 * avg + 0.05 * loss;
     if (rv.rank == 0 && (step % 25 == 0 || step == a.steps)) {
       const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       fmt::print("step {}/{} loss {:.3f} tok/s {:.0f} (all replicas)\n", step, a.steps, avg,
-                 step * a.batch * a.mc.context * dp / secs);
+                 step * a.batch * a.mc.context * plan.dp / secs);
       std::fflush(stdout);
     }
   }
-  const mem::TierStats device = engine.chunks().tier_stats(mem::Tier::kDevice);
-  fmt::print("pipeline {}: device peak {} of budget {}; sent {} per step to neighbours\n", pipe.rank(),
-             strata::format_bytes(device.peak), strata::format_bytes(device.budget), strata::format_bytes(pipe.bytes_sent()));
+  fmt::print("{}\n", trainer.report().describe());
   fmt::print("loss {:.3f} -> {:.3f} over {} steps\n", first, avg, a.steps);
-  if (!(avg < first)) {
+  if (a.steps >= 3 && !(avg < first)) {
     std::fprintf(stderr, "gpt: the smoothed loss did not fall (%.3f -> %.3f); exit status 1\n", first, avg);
     return 1;
   }
@@ -201,6 +236,9 @@ int run(int argc, char** argv) {
                  "decay after warm-up: cosine, linear or constant; or, with --pp, the pipeline schedule "
                  "(gpipe, 1f1b, interleaved-1f1b, zb-h1; as --pp-schedule)")
       ->check(CLI::IsMember({"cosine", "linear", "constant", "gpipe", "1f1b", "interleaved-1f1b", "zb-h1"}));
+  std::string config;
+  app.add_option("--config", config, "the layout as a plan file (docs/parallel.md: dp, zero_stage, pipeline, tensor, "
+                 "sequence); STRATA_PLAN names one too. Trains the model as layers through parallel::Trainer");
   app.add_option("--pp", pp, "pipeline stages (ranks of strata run -n divided by --pp form the data axis)")
       ->check(CLI::PositiveNumber);
   app.add_option("--pp-schedule", pp_schedule, "pipeline schedule: gpipe, 1f1b, interleaved-1f1b or zb-h1")
@@ -314,6 +352,53 @@ int run(int argc, char** argv) {
   mc.vocab = 256;
 
   const torch::Tensor corpus = strata::examples::load_corpus(data);
+  namespace sp = strata::parallel;
+  if (schedule_steps == 0) schedule_steps = steps;
+  if (warmup < 0) warmup = schedule_steps / 10;
+  warmup = std::min(warmup, schedule_steps);
+  // The optimizer for a model's parameters: groups by its names.
+  const auto make_optimizer = [&](torch::nn::Module& m) {
+    sp::OptimizerConfig cfg;
+    cfg.kind = sp::parse_optimizer(optimizer);
+    cfg.lr = lr;
+    cfg.weight_decay = weight_decay;
+    if (cfg.kind == sp::OptimizerKind::kLion) cfg.beta2 = 0.99;
+    if (cfg.kind == sp::OptimizerKind::kSgd) cfg.momentum = 0.9;
+    if (!decay_all) cfg.groups.push_back(sp::no_decay_group(m));
+    if (schedule == "cosine") cfg.schedule = sp::LrSchedule::warmup_cosine(warmup, schedule_steps, min_lr_ratio);
+    if (schedule == "linear") cfg.schedule = sp::LrSchedule::warmup_linear(warmup, schedule_steps, min_lr_ratio);
+    return cfg;
+  };
+  // A plan (a file, or the layout flags combining axes): one path for every
+  // combination (train_plan); the data axis alone, 1D tensor parallelism or
+  // sequence parallelism alone, and the 2D/2.5D/3D modes below.
+  if (!config.empty() || std::getenv("STRATA_PLAN") != nullptr || pp > 1 || (tp > 1 && seq_ranks > 1)) {
+    STRATA_CHECK(!baseline, "--baseline trains one process with plain LibTorch; drop the layout flags or --config");
+    STRATA_CHECK(tp_mode == "1d", "--tp-mode ", tp_mode, " builds the model from the mode's layers and trains on the "
+                 "data axis alone; with --pp, --sp or --config use --tp-mode 1d");
+    STRATA_CHECK(save_every == 0 && resume.empty() && export_weights.empty(), "--save-every, --resume and "
+                 "--export-weights are not built for a plan in this example yet; drop them (or train without --pp, "
+                 "--config and --tp with --sp)");
+    if (!config.empty()) {
+      for (const char* flag : {"--pp", "--tp", "--sp", "--zero-stage", "--microbatches", "--virtual-stages",
+                               "--pp-schedule", "--sp-mode", "--sequence-parallel"}) {
+        STRATA_CHECK(app.count(flag) == 0, "--config ", config, " gives the layout; drop ", flag);
+      }
+    }
+    sp::HybridPlan base;
+    base.zero_stage = opts.zero_stage;
+    base.pp.size = pp;
+    base.pp.schedule = sp::pipeline::schedule_from_name(pp_schedule);
+    base.pp.microbatches = microbatches;
+    base.pp.virtual_stages = virtual_stages;
+    base.tp.size = tp;
+    base.tp.sequence_parallel = tp_sequence;
+    base.sp.size = seq_ranks;
+    base.sp.mode = sp::sequence::parse_mode(sp_mode);
+    return train_plan({corpus, mc, make_optimizer, opts,
+                       config.empty() ? sp::HybridPlan::from_env(base) : sp::HybridPlan::from_file(config), steps,
+                       batch, lazy, print_losses, device_budget, host_budget, nvme_budget, nvme_dir});
+  }
   // --sp: the ranks as data x sequence; attention over the sequence group,
   // the batch's positions split over it, gradients averaged over all ranks
   // (each rank's loss is the mean over its positions).
@@ -346,8 +431,6 @@ int run(int argc, char** argv) {
   }
   // This rank's positions of a batch [batch, context].
   const auto my_positions = [&](const torch::Tensor& t) { return seq_ranks == 1 ? t : sp_attention->shard(t, 1); };
-  STRATA_CHECK(tp == 1 || (pp == 1 && seq_ranks == 1), "--tp with --pp or --sp: this example combines tensor "
-               "parallelism with the data axis only; drop one of them");
   const bool grid_mode = tp > 1 && tp_mode != "1d";
   STRATA_CHECK(!tp_sequence || (tp > 1 && tp_mode == "1d"), "--sequence-parallel goes with --tp N (N > 1) in mode 1d");
   mc.tied_head = !(untied_head || grid_mode);
@@ -401,19 +484,7 @@ int run(int argc, char** argv) {
   const auto loss_of = [&](const torch::Tensor& x, const torch::Tensor& y) {
     return grid_model ? grid_model->loss(x, y) : model->loss(x, y);
   };
-  namespace sp = strata::parallel;
-  sp::OptimizerConfig cfg;
-  cfg.kind = sp::parse_optimizer(optimizer);
-  cfg.lr = lr;
-  cfg.weight_decay = weight_decay;
-  if (cfg.kind == sp::OptimizerKind::kLion) cfg.beta2 = 0.99;
-  if (cfg.kind == sp::OptimizerKind::kSgd) cfg.momentum = 0.9;
-  if (!decay_all) cfg.groups.push_back(sp::no_decay_group(trained));
-  if (schedule_steps == 0) schedule_steps = steps;
-  if (warmup < 0) warmup = schedule_steps / 10;
-  warmup = std::min(warmup, schedule_steps);
-  if (schedule == "cosine") cfg.schedule = sp::LrSchedule::warmup_cosine(warmup, schedule_steps, min_lr_ratio);
-  if (schedule == "linear") cfg.schedule = sp::LrSchedule::warmup_linear(warmup, schedule_steps, min_lr_ratio);
+  sp::OptimizerConfig cfg = make_optimizer(trained);
   const uint64_t state =
       static_cast<uint64_t>(rank_params) * sp::model_state_bytes_per_param(opts.precision, cfg.state_count());
   opts.budgets = default_budgets(state, device_budget, host_budget, nvme_budget);
@@ -438,10 +509,6 @@ int run(int argc, char** argv) {
     fmt::print("plain LibTorch: {} steps, last loss {:.3f}, {:.0f} tok/s\n", steps, loss,
                steps * batch * mc.context / secs);
     return 0;
-  }
-  if (pp > 1) {
-    return train_pipeline({corpus, mc, cfg, opts, steps, batch, pp, microbatches, virtual_stages, pp_schedule,
-                           device_budget, host_budget, nvme_budget, nvme_dir});
   }
   // Under `strata run -n N` (or torchrun): data parallel over Gloo, each rank
   // on batches of its own. Saving and exporting are collective (every rank

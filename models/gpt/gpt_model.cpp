@@ -50,7 +50,7 @@ torch::Tensor GptBlockImpl::forward(torch::Tensor x, const torch::Tensor& mask) 
     y = attention(q, k, v);  // sequence parallel: causal over the whole sequence
   } else {
     torch::Tensor att = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(hd));
-    att = torch::softmax(att.masked_fill(mask, -1e4), -1);
+    att = torch::softmax(att.masked_fill(mask.defined() ? mask : causal_mask(q.size(2), q.device()), -1e4), -1);
     y = torch::matmul(att, v);
   }
   x = x + proj->forward(y.transpose(1, 2).contiguous().view({b, y.size(2), -1}));
@@ -117,27 +117,35 @@ namespace {
 
 struct GptEmbeddingImpl : torch::nn::Module {
   torch::nn::Embedding tok{nullptr}, pos{nullptr};
-  GptEmbeddingImpl(int vocab, int context, int dim) {
+  strata::parallel::sequence::Attention attention{nullptr};  // sequence parallel: the global positions
+  GptEmbeddingImpl(int vocab, int context, int dim, strata::parallel::sequence::Attention a) : attention(std::move(a)) {
     tok = register_module("tok", torch::nn::Embedding(vocab, dim));
     pos = register_module("pos", torch::nn::Embedding(context, dim));
   }
   torch::Tensor forward(const torch::Tensor& idx) {
-    return tok->forward(idx) + pos->forward(positions_of(idx.size(1), idx.device()));
+    const int64_t t = idx.size(1);
+    return tok->forward(idx) + pos->forward(attention ? attention->positions(t).to(idx.device()) : positions_of(t, idx.device()));
   }
 };
 TORCH_MODULE(GptEmbedding);
 
-// A block that builds its own causal mask: one tensor in, one out.
+// A block that builds its own causal mask (GptBlockImpl::forward): one
+// tensor in, one out. With a sequence-parallel attention it holds it as a
+// submodule, where a Trainer looks for it.
 struct GptStageBlockImpl : torch::nn::Module {
   GptBlock block{nullptr};
   bool checkpointed, offloaded;
-  GptStageBlockImpl(int dim, int heads, bool checkpoint, bool offload) : checkpointed(checkpoint), offloaded(offload) {
+  GptStageBlockImpl(int dim, int heads, bool checkpoint, bool offload, strata::parallel::sequence::Attention a)
+      : checkpointed(checkpoint), offloaded(offload) {
     block = register_module("block", GptBlock(dim, heads));
+    if (a) {
+      register_module("attention", a);
+      block->attention = [a](const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) mutable {
+        return a->forward(q, k, v);
+      };
+    }
   }
-  torch::Tensor forward(const torch::Tensor& x) {
-    const int64_t t = x.size(1);
-    return run_block(block.get(), x, causal_mask(t, x.device()), checkpointed, offloaded);
-  }
+  torch::Tensor forward(const torch::Tensor& x) { return run_block(block.get(), x, torch::Tensor(), checkpointed, offloaded); }
 };
 TORCH_MODULE(GptStageBlock);
 
@@ -157,8 +165,10 @@ TORCH_MODULE(GptHead);
 torch::nn::Sequential gpt_layers(const GptConfig& c) {
   STRATA_CHECK(c.dim % c.heads == 0, "the model width (", c.dim, ") must be a multiple of the heads (", c.heads, ")");
   torch::nn::Sequential s;
-  s->push_back(GptEmbedding(c.vocab, c.context, c.dim));
-  for (int i = 0; i < c.layers; ++i) s->push_back(GptStageBlock(c.dim, c.heads, c.checkpoint_blocks, c.offload_blocks));
+  s->push_back(GptEmbedding(c.vocab, c.context, c.dim, c.sequence_attention));
+  for (int i = 0; i < c.layers; ++i) {
+    s->push_back(GptStageBlock(c.dim, c.heads, c.checkpoint_blocks, c.offload_blocks, c.sequence_attention));
+  }
   s->push_back(GptHead(c.dim, c.vocab));
   init_like_gpt(*s);
   return s;
@@ -280,6 +290,25 @@ strata::parallel::ParallelPlan gpt_tensor_parallel_plan(bool sequence_parallel) 
     plan.push_back({"blocks.*.ln*", ParallelStyle::sequence_shard()});
     plan.push_back({"ln", ParallelStyle::sequence_shard()});
     plan.push_back({"pos", ParallelStyle::sequence_shard(/*dim=*/0)});  // lookups [time, dim]: this rank's positions
+  }
+  return plan;
+}
+
+strata::parallel::ParallelPlan gpt_layers_tensor_parallel_plan(const GptConfig& c, bool sequence_parallel) {
+  using strata::parallel::ParallelStyle;
+  const auto seq = [&](ParallelStyle s) { return sequence_parallel ? s.along_sequence(1) : s; };
+  const std::string head = std::to_string(c.layers + 1);
+  strata::parallel::ParallelPlan plan = {
+      {"*.block.qkv", seq(ParallelStyle::columnwise(/*fused=*/3))},
+      {"*.block.proj", seq(ParallelStyle::rowwise())},
+      {"*.block.up", seq(ParallelStyle::columnwise())},
+      {"*.block.down", seq(ParallelStyle::rowwise())},
+      {"0.tok", seq(ParallelStyle::vocab_embedding(/*gather_tied_logits=*/false))},
+      {head + ".out", seq(ParallelStyle::columnwise(1, /*gather_output=*/true))}};
+  if (sequence_parallel) {
+    plan.push_back({"*.block.ln*", ParallelStyle::sequence_shard()});
+    plan.push_back({head + ".ln", ParallelStyle::sequence_shard()});
+    plan.push_back({"0.pos", ParallelStyle::sequence_shard(/*dim=*/0)});
   }
   return plan;
 }

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "strata/parallel/parallelize.h"
+#include "strata/parallel/sequence_parallel.h"
 #include "strata/parallel/tensor_parallel_2d.h"
 #include "strata/parallel/tensor_parallel_3d.h"
 
@@ -37,10 +38,15 @@ struct GptConfig {
   /// ones for the position embedding. Null: one process, the whole sequence.
   std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&)> attention;
   std::function<torch::Tensor(int64_t)> positions;
+  /// The same for the model as layers (gpt_layers): a module, so a
+  /// parallel::Trainer finds it (parallel::sequence_attention(mesh, plan)).
+  strata::parallel::sequence::Attention sequence_attention{nullptr};
 };
 
 struct GptBlockImpl : torch::nn::Module {
   GptBlockImpl(int dim, int heads);
+  /// `mask` undefined: the causal mask of q's positions, made here (under
+  /// Megatron's sequence parallelism x holds fewer positions than q).
   torch::Tensor forward(torch::Tensor x, const torch::Tensor& mask);
 
   int heads;
@@ -108,6 +114,9 @@ torch::Tensor gpt_loss(const torch::Tensor& logits, const torch::Tensor& y);
 /// `sequence_parallel`: Megatron's sequence parallelism as well, the norms
 /// and the residual stream on 1/P of the positions (the context must divide too).
 strata::parallel::ParallelPlan gpt_tensor_parallel_plan(bool sequence_parallel = false);
+/// The same split for gpt_layers(config) (its names: "0.tok", "<i>.block.qkv",
+/// "<layers + 1>.out"), its head column-wise with the logits gathered whole.
+strata::parallel::ParallelPlan gpt_layers_tensor_parallel_plan(const GptConfig& config, bool sequence_parallel = false);
 
 int64_t count_parameters(torch::nn::Module& module);
 

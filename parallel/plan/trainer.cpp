@@ -40,6 +40,20 @@ sequence::Attention check_attention(torch::nn::Sequential& model, const DeviceMe
   return first;
 }
 
+// Under a pipeline the attached module names a parameter "stage<s>.<name>";
+// the optimizer's groups select by the model's own names.
+OptimizerConfig with_model_names(OptimizerConfig optimizer) {
+  for (ParamGroup& g : optimizer.groups) {
+    if (!g.select) continue;
+    g.select = [inner = g.select](const std::string& name, const std::vector<int64_t>& shape) {
+      const size_t dot = name.find('.');
+      const bool staged = name.rfind("stage", 0) == 0 && dot != std::string::npos;
+      return inner(staged ? name.substr(dot + 1) : name, shape);
+    };
+  }
+  return optimizer;
+}
+
 std::vector<int> pipeline_cut(torch::nn::Sequential& model, const HybridPlan& plan) {
   if (!plan.pp.boundaries.empty() || plan.pp.trace.empty()) return plan.pp.boundaries;  // empty: balanced by parameters
   const auto costs = pipeline::trace_layer_costs(plan.pp.trace, static_cast<int>(model->size()));
@@ -85,7 +99,7 @@ Trainer::Trainer(torch::nn::Sequential model, const DeviceMesh& mesh, const Hybr
     po.virtual_stages = plan_.pp.virtual_stages;
     pipeline_ = std::make_unique<pipeline::Pipeline>(model_, mesh_.group(DeviceMesh::kPipeline), po,
                                                      pipeline_cut(model_, plan_));
-    pipeline_->attach(std::move(optimizer), std::move(options), replicas);
+    pipeline_->attach(with_model_names(std::move(optimizer)), std::move(options), replicas);
   } else {
     engine_ = attach(*model_, std::move(optimizer), std::move(options), replicas);
   }

@@ -68,6 +68,8 @@ class Trainer {
   /// (tensor_parallel_2d.h, tensor_parallel_3d.h) and attached directly.
   /// `model` is the whole model, the same on every rank; a module that is no
   /// Sequential goes in as torch::nn::Sequential(module) (no pipeline then).
+  /// The optimizer's groups select parameters by the model's names, under a
+  /// pipeline too (its stages name them "stage<s>.<name>").
   Trainer(torch::nn::Sequential model, const DeviceMesh& mesh, const HybridPlan& plan, OptimizerConfig optimizer,
           EngineOptions options, const ModelShape& shape = {});
   ~Trainer();
