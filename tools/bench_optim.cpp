@@ -222,6 +222,7 @@ void add_bench_command(CLI::App& app) {
   add_bench_pipeline_command(*bench);
   add_bench_sequence_command(*bench);
   add_bench_tp_command(*bench);
+  add_bench_hybrid_command(*bench);
 #endif
 #endif
   auto* optim = bench->add_subcommand("optim", "CPU optimizer kernels vs a bandwidth probe and torch::optim::AdamW");

@@ -29,6 +29,8 @@ void add_bench_pipeline_command(CLI::App& bench);
 void add_bench_sequence_command(CLI::App& bench);
 /// `strata bench tp` (needs LibTorch and Gloo).
 void add_bench_tp_command(CLI::App& bench);
+/// `strata bench hybrid` (needs LibTorch and Gloo).
+void add_bench_hybrid_command(CLI::App& bench);
 /// `strata bench scale` (needs LibTorch: built only with it).
 void add_bench_scale_command(CLI::App& bench);
 /// `strata bench checkpoint` (needs LibTorch: built only with it).

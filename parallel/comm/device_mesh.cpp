@@ -43,10 +43,14 @@ DeviceMesh DeviceMesh::build(Communicator& world, std::array<int, 4> dims) {
   m.dims_ = dims;
   m.world_rank_ = world.rank();
   const char* names[] = {"dp", "pp", "tp", "sp"};
-  // The group's name: its axes and its first rank, the same on every member.
+  // The group's name: its axes, the mesh's shape and its first rank, the
+  // same on every member. A split pairs members by name and by how often
+  // each has used it, so the shape keeps two meshes' groups apart (rank 4
+  // alone in one mesh, ranks 4 and 5 in the next).
   const auto make = [&](const std::vector<Axis>& axes, const std::string& name) {
     const std::vector<int> ranks = group_ranks(dims, world.rank(), axes);
-    return std::shared_ptr<Communicator>(world.split(ranks, fmt::format("mesh-{}-{}", name, ranks.front())));
+    return std::shared_ptr<Communicator>(world.split(
+        ranks, fmt::format("mesh-{}-{}x{}x{}x{}-{}", name, dims[0], dims[1], dims[2], dims[3], ranks.front())));
   };
   for (int a = 0; a < 4; ++a) {
     const std::vector<int> ranks = group_ranks(dims, world.rank(), static_cast<Axis>(a));

@@ -166,7 +166,10 @@ RankReport Trainer::report() const {
   r.coords = mesh_.coords();
   r.parameters = count_parameters(self.module());
   r.model_state_bytes = e.model_state_bytes();
-  for (int t = 0; t < memory::kNumTiers; ++t) r.tiers[t] = e.tier_stats(static_cast<memory::Tier>(t));
+  for (int t = 0; t < memory::kNumTiers; ++t) {
+    r.tiers[t] = e.tier_stats(static_cast<memory::Tier>(t));
+    r.held_bytes += r.tiers[t].used;
+  }
   r.pipeline_bytes_sent = pipeline_ ? pipeline_->bytes_sent() : 0;
   r.data_collectives = e.collectives();
   r.parameter_gathers = e.parameter_gathers();
@@ -174,8 +177,9 @@ RankReport Trainer::report() const {
 }
 
 std::string RankReport::describe() const {
-  std::string s = fmt::format("rank {} (dp {}, pp {}, tp {}, sp {}): {} parameters, model state {}", rank, coords[0],
-                              coords[1], coords[2], coords[3], parameters, format_bytes(static_cast<uint64_t>(model_state_bytes)));
+  std::string s = fmt::format("rank {} (dp {}, pp {}, tp {}, sp {}): {} parameters, model state {} ({} held)", rank,
+                              coords[0], coords[1], coords[2], coords[3], parameters,
+                              format_bytes(static_cast<uint64_t>(model_state_bytes)), format_bytes(held_bytes));
   for (int t = 0; t < memory::kNumTiers; ++t) {
     if (tiers[t].budget == 0) continue;
     s += fmt::format("; {} peak {} of {}", memory::tier_name(static_cast<memory::Tier>(t)), format_bytes(tiers[t].peak),

@@ -49,7 +49,8 @@ struct RankReport {
   int rank = 0;
   std::array<int, 4> coords{};       // dp, pp, tp, sp
   int64_t parameters = 0;            // this rank's parameter elements (after splits and the cut)
-  int64_t model_state_bytes = 0;     // parameters, gradients, masters, optimizer state
+  int64_t model_state_bytes = 0;     // parameters, gradients, masters, optimizer state, unsharded
+  uint64_t held_bytes = 0;           // what its tiers hold now (its ZeRO shards, chunk padding included)
   memory::TierStats tiers[memory::kNumTiers];
   int64_t pipeline_bytes_sent = 0;   // last step, to the pipeline neighbours
   int64_t data_collectives = 0;      // on the replica group, since attach

@@ -1,0 +1,321 @@
+// `strata bench hybrid`: a GPT of fixed size (the model as layers,
+// models/gpt) trained through parallel::Trainer under every layout of the
+// launcher's ranks that the plan accepts (dp x pp x tp x sp, powers of two):
+// per rank and step, the bytes sent on each axis (counting communicators
+// under the mesh's groups), the model state and the step time, each beside
+// what the layout predicts, and the step time beside one process training
+// every replica's batch. Run under the launcher:
+//
+//   strata run -n 8 -- strata bench hybrid [--dim 64] [--layers 4] [--context 32] [--batch 8] [--json]
+//
+// Predicted bytes per step (b: the replica's batch, t: its positions on
+// this rank (context / sp), d: width, A = b t d x 4 bytes, T: tp, S: sp,
+// R = dp x sp the replica group, P: this rank's parameters, G = 4 P):
+//   pp  A to the next stage and A back to the previous, for each of this
+//       rank's stages that has one (1f1b: one stage per rank);
+//   tp  4 all-reduces of A per block (attention and MLP outputs forward,
+//       their inputs' gradients backward), one for the vocabulary
+//       embedding's lookups, and on the head's stage the logits' all-gather
+//       ((T-1) b t V/T x 4) and its input gradient's all-reduce; an all-reduce
+//       counts 2 (T-1)/T of its buffer (the ring);
+//   sp  per block, in units of one local q (b x heads/T x t x head_dim x 4):
+//       Ulysses 8 (S-1)/S, ring self-attention 4 (S-1), ring attention 6 S - 4
+//       (bench sequence's derivation);
+//   dp  the replica group's gradients: ZeRO 0 an all-reduce of G, 1 and the
+//       parameters' all-gather after the step, 2 a reduce-scatter and the
+//       all-gather, 3 a reduce-scatter and each parameter chunk gathered once
+//       (kept from forward to backward while the device holds it) ((R-1)/R G
+//       each). When dp is 1 the replica group is the sequence group, and these
+//       bytes count on sp.
+// Model state: what this rank's tiers hold between steps, beside 12 bytes
+// per parameter it trains (fp32 parameter and AdamW's two moments; the
+// gradients are released after each step), the moments sharded over R at
+// ZeRO 1 and 2, everything at ZeRO 3. Measured bytes exceed the prediction by
+// chunk padding, the small agreements (shapes, flags, norms, rounds) and, at
+// ZeRO 3 under a tight device budget, re-gathers.
+#include <fmt/format.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <nlohmann/json.hpp>
+
+#include "bench_timing.h"
+#include "commands.h"
+#include "counting_communicator.h"
+#include "gpt_model.h"
+#include "strata/core/bytes.h"
+#include "strata/core/error.h"
+#include "strata/parallel/device_mesh.h"
+#include "strata/parallel/pipeline.h"
+#include "strata/parallel/plan.h"
+#include "strata/parallel/trainer.h"
+
+namespace strata::tools {
+namespace {
+
+namespace sp = parallel;
+
+struct HybridBenchOptions {
+  int dim = 64, layers = 4, heads = 4, context = 32, batch = 8, steps = 3, zero_stage = 1;
+  std::string sp_mode = "ring-attention";
+  bool json = false;
+};
+
+enum Axis { kDp = 0, kPp = 1, kTp = 2, kSp = 3, kOther = 4 };
+constexpr const char* kAxisNames[] = {"dp", "pp", "tp", "sp", "other"};
+
+// The world, with every mesh group it splits counting into its axis's
+// totals (by the mesh's group names, Note [Device mesh]); groups split from
+// those count into the same.
+class AxisCountingWorld final : public sp::Communicator {
+ public:
+  explicit AxisCountingWorld(sp::Communicator& inner) : inner_(inner) {
+    for (auto& c : counts_) c = std::make_shared<CountingCommunicator::Counts>();
+    world_ = std::make_unique<CountingCommunicator>(inner_, counts_[kOther]);
+  }
+  int rank() const override { return inner_.rank(); }
+  int world_size() const override { return inner_.world_size(); }
+  std::string backend() const override { return inner_.backend(); }
+  sp::WorkHandle all_reduce(void* b, size_t c, DType d, sp::ReduceOp op) override { return world_->all_reduce(b, c, d, op); }
+  sp::WorkHandle reduce_scatter(const void* i, void* o, size_t c, DType d, sp::ReduceOp op) override {
+    return world_->reduce_scatter(i, o, c, d, op);
+  }
+  sp::WorkHandle all_gather(const void* i, void* o, size_t c, DType d) override { return world_->all_gather(i, o, c, d); }
+  sp::WorkHandle broadcast(void* b, size_t c, DType d, int root) override { return world_->broadcast(b, c, d, root); }
+  sp::WorkHandle all_to_all(const void* i, void* o, size_t c, DType d) override { return world_->all_to_all(i, o, c, d); }
+  sp::WorkHandle send(const void* b, size_t n, int peer, uint32_t tag) override { return world_->send(b, n, peer, tag); }
+  sp::WorkHandle recv(void* b, size_t n, int peer, uint32_t tag) override { return world_->recv(b, n, peer, tag); }
+  sp::WorkHandle barrier() override { return world_->barrier(); }
+  std::unique_ptr<sp::Communicator> split(const std::vector<int>& ranks, const std::string& name) override {
+    Axis a = kOther;
+    if (name.rfind("mesh-dp-", 0) == 0) a = kDp;  // the data axis and the replica group ("mesh-dp-sp-")
+    if (name.rfind("mesh-pp-", 0) == 0) a = kPp;
+    if (name.rfind("mesh-tp-", 0) == 0) a = kTp;
+    if (name.rfind("mesh-sp-", 0) == 0) a = kSp;
+    return std::make_unique<CountingGroup>(inner_.split(ranks, name), counts_[a]);
+  }
+  /// Bytes sent on each axis since the last take().
+  std::array<uint64_t, 5> take() {
+    std::array<uint64_t, 5> b{};
+    for (int a = 0; a < 5; ++a) b[a] = counts_[a]->bytes.exchange(0);
+    return b;
+  }
+
+ private:
+  sp::Communicator& inner_;
+  std::array<std::shared_ptr<CountingCommunicator::Counts>, 5> counts_;
+  std::unique_ptr<CountingCommunicator> world_;
+};
+
+// What the layout predicts for this rank (the header's formulas): its
+// layers [first, last] of the model as layers (0 the embedding, 1..L the
+// blocks, L+1 the head), whether they begin and end the model.
+std::array<double, 5> predicted_bytes(const HybridBenchOptions& o, const sp::HybridPlan& p, int first, int last,
+                                      int64_t params) {
+  std::array<double, 5> b{};
+  const double T = p.tp.size, S = p.sp.size, R = static_cast<double>(p.dp) * p.sp.size;
+  const double t = static_cast<double>(o.context) / S;
+  const double A = static_cast<double>(o.batch) * t * o.dim * 4;
+  const int blocks = std::min(last, o.layers) - std::max(first, 1) + 1;
+  const bool embedding = first == 0, head = last == o.layers + 1;
+  if (p.pp.size > 1) b[kPp] = (head ? 0.0 : A) + (embedding ? 0.0 : A);
+  if (T > 1) {
+    const double ring = 2 * (T - 1) / T;
+    b[kTp] = blocks * 4 * ring * A + (embedding ? ring * A : 0.0) +
+             (head ? (T - 1) * o.batch * t * (examples::GptConfig().vocab / T) * 4 + ring * A : 0.0);
+  }
+  if (S > 1) {
+    const double local = static_cast<double>(o.batch) * (o.heads / T) * t * (o.dim / o.heads) * 4;
+    const double units = p.sp.mode == sp::sequence::Mode::kUlysses           ? 8 * (S - 1) / S
+                         : p.sp.mode == sp::sequence::Mode::kRingSelfAttention ? 4 * (S - 1)
+                                                                              : 6 * S - 4;
+    b[kSp] = blocks * units * local;
+  }
+  if (R > 1) {
+    const double G = 4.0 * static_cast<double>(params), part = (R - 1) / R * G;
+    const double grads = p.zero_stage == 1 ? 3 * part : 2 * part;
+    b[p.dp > 1 ? kDp : kSp] += grads;
+  }
+  return b;
+}
+
+// Between steps (the gradients are released after each step).
+double predicted_state(const sp::HybridPlan& p, int64_t params) {
+  const double R = static_cast<double>(p.dp) * p.sp.size, P = static_cast<double>(params);
+  switch (p.zero_stage) {
+    case 0: return 12 * P;             // the parameter and AdamW's two moments
+    case 1: case 2: return 4 * P + 8 * P / R;  // the moments sharded
+    default: return 12 * P / R;        // and the parameter
+  }
+}
+
+// Every power-of-two layout of `world` ranks, data axis last to vary.
+std::vector<std::array<int, 4>> layouts(int world) {
+  std::vector<std::array<int, 4>> out;
+  for (int pp = 1; pp <= world; pp *= 2) {
+    for (int tp = 1; pp * tp <= world; tp *= 2) {
+      for (int sq = 1; pp * tp * sq <= world; sq *= 2) {
+        if (world % (pp * tp * sq) == 0) out.push_back({world / (pp * tp * sq), pp, tp, sq});
+      }
+    }
+  }
+  return out;
+}
+
+examples::GptConfig model_config(const HybridBenchOptions& o) {
+  examples::GptConfig c;
+  c.dim = o.dim;
+  c.layers = o.layers;
+  c.heads = o.heads;
+  c.context = o.context;
+  return c;
+}
+
+// One process on every replica's batch: plain LibTorch AdamW on the model as layers.
+double one_process_step(const HybridBenchOptions& o, int replicas) {
+  torch::manual_seed(0);
+  torch::nn::Sequential model = examples::gpt_layers(model_config(o));
+  torch::optim::AdamW adamw(model->parameters(), torch::optim::AdamWOptions(1e-3));
+  const torch::Tensor x = torch::randint(0, 256, {o.batch * replicas, o.context});
+  std::vector<double> t;
+  for (int s = 0; s <= o.steps; ++s) {
+    const double secs = seconds([&] {
+      adamw.zero_grad();
+      examples::gpt_loss(model->forward(x), x).backward();
+      adamw.step();
+    });
+    if (s > 0) t.push_back(secs);
+  }
+  return median(t);
+}
+
+void run_hybrid_bench(const HybridBenchOptions& o) {
+  std::shared_ptr<sp::Communicator> world = sp::make_gloo_communicator(sp::Rendezvous::from_env());
+  const int rank = world->rank(), n = world->world_size();
+  const sp::ModelShape shape{o.dim, o.heads, o.context, o.layers + 2};
+  nlohmann::json rows = nlohmann::json::array();
+  if (rank == 0 && !o.json) {
+    fmt::print("strata bench hybrid: GPT dim {} x {} layers, {} heads, context {}, batch {} per replica, ZeRO {}, {} "
+               "ranks; per step, the rank that sends most on each axis: measured / predicted\n",
+               o.dim, o.layers, o.heads, o.context, o.batch, o.zero_stage, n);
+    fmt::print("{:<22} {:>19} {:>19} {:>19} {:>19} {:>21} {:>9} {:>9}\n", "layout", "dp", "pp", "tp", "sp",
+               "state/rank", "step ms", "1 proc");
+  }
+  for (const auto& dims : layouts(n)) {
+    sp::HybridPlan plan;
+    plan.dp = dims[0];
+    plan.zero_stage = o.zero_stage;
+    plan.pp.size = dims[1];
+    plan.pp.microbatches = std::min(2 * dims[1], o.batch);  // each microbatch a sequence at least
+    plan.tp.size = dims[2];
+    plan.sp.size = dims[3];
+    plan.sp.mode = sp::sequence::parse_mode(o.sp_mode);
+    examples::GptConfig mc = model_config(o);
+    if (plan.tp.size > 1) plan.tp.layers = examples::gpt_layers_tensor_parallel_plan(mc);
+    try {
+      plan = plan.validated(n, shape);
+    } catch (const Error& e) {
+      if (rank == 0 && !o.json) fmt::print("{:<22} does not fit: {}\n", fmt::format("{}x{}x{}x{}", dims[0], dims[1], dims[2], dims[3]), e.what());
+      continue;  // the same refusal on every rank
+    }
+    AxisCountingWorld counting(*world);
+    sp::DeviceMesh mesh = sp::DeviceMesh::create(counting, plan.dims());
+    if (plan.sp.size > 1) mc.sequence_attention = sp::sequence_attention(mesh, plan);
+    torch::manual_seed(0);
+    torch::nn::Sequential layers = examples::gpt_layers(mc);
+    int64_t full = 0;
+    for (const auto& p : layers->parameters()) full += p.numel();
+    sp::EngineOptions eo;
+    eo.budgets = {static_cast<uint64_t>(full) * 64 + (16u << 20), static_cast<uint64_t>(full) * 64 + (16u << 20), 0};
+    sp::AdamWConfig adamw;
+    sp::Trainer trainer(layers, mesh, plan, sp::OptimizerConfig::from(adamw), eo, shape);
+    int first = 0, last = o.layers + 1;
+    if (auto* pipe = trainer.pipeline()) {
+      first = pipe->boundaries()[pipe->stages().front()];
+      last = pipe->boundaries()[pipe->stages().back() + 1] - 1;
+    }
+    torch::manual_seed(1 + mesh.coord(sp::DeviceMesh::kData));
+    const torch::Tensor x = torch::randint(0, 256, {o.batch, o.context});
+    std::vector<double> times;
+    std::array<double, 5> sent{};
+    for (int s = 0; s <= o.steps; ++s) {
+      counting.take();
+      const double secs = seconds([&] { trainer.step(x, x, examples::gpt_loss); });
+      const auto b = counting.take();
+      if (s == 0) continue;  // warm-up: the first step agrees shapes and plans
+      times.push_back(secs);
+      for (int a = 0; a < 5; ++a) sent[a] += static_cast<double>(b[a]) / o.steps;
+    }
+    const sp::RankReport report = trainer.report();
+    const auto want = predicted_bytes(o, plan, first, last, report.parameters);
+    const double state_want = predicted_state(plan, report.parameters);
+    // Every rank's figures to rank 0: per axis the rank that sends most.
+    std::vector<double> mine = {median(times), static_cast<double>(report.held_bytes), state_want};
+    for (int a = 0; a < 4; ++a) {
+      mine.push_back(sent[a]);
+      mine.push_back(want[a]);
+    }
+    const std::vector<double> all = sp::all_gather_values(*world, mine);
+    const size_t k = mine.size();
+    double step = 0, state = 0, state_pred = 0;
+    std::array<double, 4> axis{}, axis_pred{};
+    for (int r = 0; r < n; ++r) {
+      const double* v = &all[r * k];
+      step = std::max(step, v[0]);
+      if (v[1] > state) {
+        state = v[1];
+        state_pred = v[2];
+      }
+      for (int a = 0; a < 4; ++a) {
+        if (v[3 + 2 * a] >= axis[a]) {
+          axis[a] = v[3 + 2 * a];
+          axis_pred[a] = v[4 + 2 * a];
+        }
+      }
+    }
+    const double one = rank == 0 ? one_process_step(o, plan.dp) : 0.0;
+    world->barrier()->wait();
+    if (rank != 0) continue;
+    const std::string name = plan.describe();
+    if (o.json) {
+      nlohmann::json row = {{"layout", name}, {"dims", plan.dims()}, {"step_seconds", step},
+                            {"one_process_seconds", one}, {"model_state_bytes", state},
+                            {"predicted_model_state_bytes", state_pred}};
+      for (int a = 0; a < 4; ++a) {
+        row[std::string(kAxisNames[a]) + "_bytes"] = axis[a];
+        row[std::string(kAxisNames[a]) + "_predicted_bytes"] = axis_pred[a];
+      }
+      rows.push_back(row);
+    } else {
+      const auto pair = [](double got, double want) {
+        return fmt::format("{} / {}", format_bytes(static_cast<uint64_t>(got)), format_bytes(static_cast<uint64_t>(want)));
+      };
+      fmt::print("{:<22} {:>19} {:>19} {:>19} {:>19} {:>21} {:>9.1f} {:>9.1f}\n",
+                 fmt::format("{}x{}x{}x{}", dims[0], dims[1], dims[2], dims[3]), pair(axis[0], axis_pred[0]),
+                 pair(axis[1], axis_pred[1]), pair(axis[2], axis_pred[2]), pair(axis[3], axis_pred[3]),
+                 pair(state, state_pred), step * 1e3, one * 1e3);
+      std::fflush(stdout);
+    }
+  }
+  if (rank == 0 && o.json) fmt::print("{}\n", nlohmann::json{{"ranks", n}, {"layouts", rows}}.dump(2));
+}
+
+}  // namespace
+
+void add_bench_hybrid_command(CLI::App& bench) {
+  auto* cmd = bench.add_subcommand("hybrid", "Every dp x pp x tp x sp layout of a GPT: bytes per axis, model state and "
+                                             "step time per rank beside the layout's formulas (strata run -n 8)");
+  auto o = std::make_shared<HybridBenchOptions>();
+  cmd->add_option("--dim", o->dim, "model width");
+  cmd->add_option("--layers", o->layers, "transformer blocks");
+  cmd->add_option("--heads", o->heads, "attention heads");
+  cmd->add_option("--context", o->context, "positions per sequence");
+  cmd->add_option("--batch", o->batch, "sequences per replica per step");
+  cmd->add_option("--steps", o->steps, "timed steps after a warm-up");
+  cmd->add_option("--zero-stage", o->zero_stage, "ZeRO stage over the replica group");
+  cmd->add_option("--sp-mode", o->sp_mode, "ring-attention, ulysses or ring-self-attention");
+  cmd->add_flag("--json", o->json, "print one JSON document (rank 0)");
+  cmd->callback([o] { run_hybrid_bench(*o); });
+}
+
+}  // namespace strata::tools
