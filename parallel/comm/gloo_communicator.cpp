@@ -23,6 +23,8 @@
 #include <thread>
 #include <vector>
 
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+
 #include "strata/core/error.h"
 #include "strata/kernels/optim.h"
 #include "strata/parallel/communicator.h"
@@ -146,7 +148,10 @@ class GlooCommunicator final : public Communicator {
       so.waitWorkers = false;
       so.timeout = o.timeout;
       auto world = std::make_shared<World>();
-      world->store = torch_compat::start_tcp_store(r.master_addr, so);
+      // One rank meets no one: an in-process store, no port (two single
+      // processes on one machine would otherwise both bind MASTER_PORT).
+      world->store = r.world_size == 1 ? c10::intrusive_ptr<c10d::Store>(c10::make_intrusive<c10d::HashStore>())
+                                       : c10::intrusive_ptr<c10d::Store>(torch_compat::start_tcp_store(r.master_addr, so));
       gloo::transport::tcp::attr attr;
       attr.hostname = o.bind_host;
       world->device = gloo::transport::tcp::CreateDevice(attr);
