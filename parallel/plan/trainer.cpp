@@ -87,6 +87,9 @@ Trainer::Trainer(torch::nn::Sequential model, const DeviceMesh& mesh, const Hybr
   STRATA_CHECK(plan_.pp.size == 1 || static_cast<int64_t>(model_->size()) >= plan_.pp.size * plan_.pp.virtual_stages,
                "the model has ", model_->size(), " layers, fewer than the plan's ",
                plan_.pp.size * plan_.pp.virtual_stages, " pipeline stages");
+  STRATA_CHECK(options.zero_stage == 0 || options.zero_stage == plan_.zero_stage, "the engine options ask for ZeRO "
+               "stage ", options.zero_stage, " (EngineOptions::zero_stage or STRATA_ZERO_STAGE), the plan for ",
+               plan_.zero_stage, ": the plan's zero_stage decides; set it there, or leave the options' at 0");
   attention_ = check_attention(model_, mesh_, plan_);
   // Collectives from here on; every check above ran on every rank alike.
   if (plan_.tp.size > 1) parallelize(*model_, *mesh_.group(DeviceMesh::kTensor), plan_.tp.layers);

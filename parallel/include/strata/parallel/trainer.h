@@ -70,7 +70,8 @@ class Trainer {
   /// `model` is the whole model, the same on every rank; a module that is no
   /// Sequential goes in as torch::nn::Sequential(module) (no pipeline then).
   /// The optimizer's groups select parameters by the model's names, under a
-  /// pipeline too (its stages name them "stage<s>.<name>").
+  /// pipeline too (its stages name them "stage<s>.<name>"). The plan's
+  /// zero_stage is the one used; options asking for another are refused.
   Trainer(torch::nn::Sequential model, const DeviceMesh& mesh, const HybridPlan& plan, OptimizerConfig optimizer,
           EngineOptions options, const ModelShape& shape = {});
   ~Trainer();
