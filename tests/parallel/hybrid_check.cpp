@@ -143,7 +143,54 @@ struct Args {
   std::string schedule = "1f1b", sp_mode = "ring-attention";
   bool sequence_parallel = false;
   double host_fraction = 0.0;  // 0: everything resident; else host budget = fraction x model state
+  std::string refuse;          // a Trainer refusal to provoke (refusals())
 };
+
+// --refuse CASE: the trainer must refuse, on every rank alike, before any
+// collective of its own: no-attention (sp 2, a model without the plan's
+// attention), no-layers (tp 2 without a module plan), grid (tp 4 in mode 2d),
+// zero (engine options asking for another ZeRO stage than the plan's).
+int refusals(const Args& a) {
+  const Rendezvous r = Rendezvous::from_env();
+  std::shared_ptr<Communicator> world = make_gloo_communicator(r);
+  HybridPlan plan;
+  std::string want;
+  EngineOptions o;
+  o.budgets = {1 << 24, 1 << 24, 0};
+  if (a.refuse == "no-attention") {
+    plan.sp.size = r.world_size;
+    want = "the model has no sequence-parallel attention";
+  } else if (a.refuse == "no-layers") {
+    plan.tp.size = r.world_size;
+    want = "needs the plan's tensor layers";
+  } else if (a.refuse == "grid") {
+    plan.tp.size = r.world_size;
+    plan.tp.mode = TensorMode::k2D;
+    want = "the Trainer applies mode 1d";
+  } else if (a.refuse == "zero") {
+    plan.dp = r.world_size;
+    plan.zero_stage = 1;
+    o.zero_stage = 3;
+    want = "the plan's zero_stage decides";
+  } else {
+    STRATA_FAIL("unknown --refuse case ", a.refuse, "; choose no-attention, no-layers, grid or zero");
+  }
+  plan = plan.validated(r.world_size);
+  DeviceMesh mesh = DeviceMesh::create(world, plan.dims());
+  torch::nn::Sequential model = make_model(nullptr);  // plain attention
+  std::string got = "no error";
+  try {
+    Trainer trainer(model, mesh, plan, OptimizerConfig::from(AdamWConfig{}), o);
+  } catch (const strata::Error& e) {
+    got = e.what();
+  }
+  STRATA_CHECK(got.find(want) != std::string::npos, "--refuse ", a.refuse, ": expected an error saying \"", want,
+               "\", got: ", got);
+  std::printf("rank %d: refused (%s): %s\n", r.rank, a.refuse.c_str(), got.c_str());
+  std::fflush(stdout);
+  world->barrier()->wait();  // rank 0 serves the store: no rank leaves while another still forms its groups
+  return 0;
+}
 
 // This rank's part of the reference's parameter `name` under the plan's style for it.
 torch::Tensor local_part(const std::string& name, const torch::Tensor& full, const HybridPlan& plan, int r) {
@@ -296,6 +343,7 @@ int main(int argc, char** argv) {
     else if (arg == "--sequence-parallel") a.sequence_parallel = true;
     else if (arg == "--host-fraction") a.host_fraction = std::stod(next());
     else if (arg == "--steps") a.steps = std::stoi(next());
+    else if (arg == "--refuse") a.refuse = next();
     else {
       std::fprintf(stderr, "hybrid_check: unknown option %s\n", arg.c_str());
       return 2;
@@ -303,7 +351,7 @@ int main(int argc, char** argv) {
   }
   int status = 1;
   try {
-    status = run(a);  // the trainer and its NVMe store are gone when it returns
+    status = a.refuse.empty() ? run(a) : refusals(a);  // the trainer and its NVMe store are gone when it returns
   } catch (const std::exception& e) {
     std::fprintf(stderr, "hybrid_check: %s\n", e.what());
   }
