@@ -67,44 +67,24 @@ constexpr const char* kAxisNames[] = {"dp", "pp", "tp", "sp", "other"};
 // The world, with every mesh group it splits counting into its axis's
 // totals (by the mesh's group names, Note [Device mesh]); groups split from
 // those count into the same.
-class AxisCountingWorld final : public sp::Communicator {
- public:
-  explicit AxisCountingWorld(sp::Communicator& inner) : inner_(inner) {
-    for (auto& c : counts_) c = std::make_shared<CountingCommunicator::Counts>();
-    world_ = std::make_unique<CountingCommunicator>(inner_, counts_[kOther]);
-  }
-  int rank() const override { return inner_.rank(); }
-  int world_size() const override { return inner_.world_size(); }
-  std::string backend() const override { return inner_.backend(); }
-  sp::WorkHandle all_reduce(void* b, size_t c, DType d, sp::ReduceOp op) override { return world_->all_reduce(b, c, d, op); }
-  sp::WorkHandle reduce_scatter(const void* i, void* o, size_t c, DType d, sp::ReduceOp op) override {
-    return world_->reduce_scatter(i, o, c, d, op);
-  }
-  sp::WorkHandle all_gather(const void* i, void* o, size_t c, DType d) override { return world_->all_gather(i, o, c, d); }
-  sp::WorkHandle broadcast(void* b, size_t c, DType d, int root) override { return world_->broadcast(b, c, d, root); }
-  sp::WorkHandle all_to_all(const void* i, void* o, size_t c, DType d) override { return world_->all_to_all(i, o, c, d); }
-  sp::WorkHandle send(const void* b, size_t n, int peer, uint32_t tag) override { return world_->send(b, n, peer, tag); }
-  sp::WorkHandle recv(void* b, size_t n, int peer, uint32_t tag) override { return world_->recv(b, n, peer, tag); }
-  sp::WorkHandle barrier() override { return world_->barrier(); }
-  std::unique_ptr<sp::Communicator> split(const std::vector<int>& ranks, const std::string& name) override {
-    Axis a = kOther;
-    if (name.rfind("mesh-dp-", 0) == 0) a = kDp;  // the data axis and the replica group ("mesh-dp-sp-")
-    if (name.rfind("mesh-pp-", 0) == 0) a = kPp;
-    if (name.rfind("mesh-tp-", 0) == 0) a = kTp;
-    if (name.rfind("mesh-sp-", 0) == 0) a = kSp;
-    return std::make_unique<CountingGroup>(inner_.split(ranks, name), counts_[a]);
+struct AxisCounts {
+  explicit AxisCounts(sp::Communicator& inner) : world(inner) {
+    for (auto& c : counts) c = std::make_shared<CountingCommunicator::Counts>();
+    world.counts_for_split = [this](const std::string& name) {
+      for (int a : {kDp, kPp, kTp, kSp}) {  // "mesh-dp-" also names the replica group ("mesh-dp-sp-")
+        if (name.rfind(fmt::format("mesh-{}-", kAxisNames[a]), 0) == 0) return counts[a];
+      }
+      return counts[kOther];
+    };
   }
   /// Bytes sent on each axis since the last take().
   std::array<uint64_t, 5> take() {
     std::array<uint64_t, 5> b{};
-    for (int a = 0; a < 5; ++a) b[a] = counts_[a]->bytes.exchange(0);
+    for (int a = 0; a < 5; ++a) b[a] = counts[a]->bytes.exchange(0);
     return b;
   }
-
- private:
-  sp::Communicator& inner_;
-  std::array<std::shared_ptr<CountingCommunicator::Counts>, 5> counts_;
-  std::unique_ptr<CountingCommunicator> world_;
+  std::array<std::shared_ptr<CountingCommunicator::Counts>, 5> counts;
+  CountingCommunicator world;
 };
 
 // What the layout predicts for this rank (the header's formulas): its
@@ -218,8 +198,8 @@ void run_hybrid_bench(const HybridBenchOptions& o) {
       if (rank == 0 && !o.json) fmt::print("{:<22} does not fit: {}\n", fmt::format("{}x{}x{}x{}", dims[0], dims[1], dims[2], dims[3]), e.what());
       continue;  // the same refusal on every rank
     }
-    AxisCountingWorld counting(*world);
-    sp::DeviceMesh mesh = sp::DeviceMesh::create(counting, plan.dims());
+    AxisCounts counting(*world);
+    sp::DeviceMesh mesh = sp::DeviceMesh::create(counting.world, plan.dims());
     if (plan.sp.size > 1) mc.sequence_attention = sp::sequence_attention(mesh, plan);
     torch::manual_seed(0);
     torch::nn::Sequential layers = examples::gpt_layers(mc);

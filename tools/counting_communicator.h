@@ -4,8 +4,10 @@
 // tp). Bytes follow the ring algorithms: all-reduce 2(n-1)/n of the buffer,
 // all-gather and reduce-scatter (n-1) blocks, broadcast (n-1)/n of the buffer
 // (scatter then all-gather), all-to-all the n-1 blocks that leave, point to
-// point the payload. Groups split from it count into the same totals.
+// point the payload. Groups split from it count into the same totals, or
+// into those `counts_for_split` picks by the group's name.
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -57,6 +59,8 @@ class CountingCommunicator final : public parallel::Communicator {
   parallel::WorkHandle barrier() override { return inner_.barrier(); }
   /// The group, counting into this communicator's totals.
   std::unique_ptr<parallel::Communicator> split(const std::vector<int>& ranks, const std::string& name) override;
+  /// Where groups split from this one count, by the group's name (null: here).
+  std::function<std::shared_ptr<Counts>(const std::string& name)> counts_for_split;
   /// Bytes sent since the last take(), and resets them; the same for collectives.
   uint64_t take() { return counts_->bytes.exchange(0); }
   uint64_t take_calls() { return counts_->calls.exchange(0); }
@@ -108,7 +112,8 @@ struct CountingGroup final : parallel::Communicator {
 
 inline std::unique_ptr<parallel::Communicator> CountingCommunicator::split(const std::vector<int>& ranks,
                                                                            const std::string& name) {
-  return std::make_unique<CountingGroup>(inner_.split(ranks, name), counts_);
+  std::shared_ptr<Counts> counts = counts_for_split ? counts_for_split(name) : nullptr;
+  return std::make_unique<CountingGroup>(inner_.split(ranks, name), counts ? std::move(counts) : counts_);
 }
 
 }  // namespace strata::tools
