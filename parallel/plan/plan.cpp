@@ -334,8 +334,17 @@ HybridPlan HybridPlan::validated(int world_size, const ModelShape& shape) const 
   if (p.tp.mode != TensorMode::k1D) {
     STRATA_CHECK(shape.hidden == 0 || shape.hidden % q == 0, "tp ", p.tp.size, " (", tensor_mode_name(p.tp.mode),
                  ") splits the hidden size ", shape.hidden, " into ", q, " blocks: choose a size it divides");
-    STRATA_CHECK(p.tp.layers.empty(), "the plan's tensor layers are parallelize()'s module plan, for mode 1d; mode ",
-                 tensor_mode_name(p.tp.mode), " builds the model from its own layers: drop \"layers\" or use mode 1d");
+    STRATA_CHECK(shape.heads == 0 || shape.heads % q == 0, "tp ", p.tp.size, " (", tensor_mode_name(p.tp.mode),
+                 ") splits the model's ", shape.heads, " attention heads into ", q, " feature blocks: choose a size "
+                 "whose grid side divides them");
+    for (const auto& [pattern, style] : p.tp.layers) {
+      STRATA_CHECK(style.kind != ParallelStyle::Kind::kReplicated && style.kind != ParallelStyle::Kind::kSequenceShard,
+                   "the plan's tensor layers give \"", pattern, "\" the style ", style_name(style), "; in mode ",
+                   tensor_mode_name(p.tp.mode), " every activation is split, so no layer stays whole: name linear "
+                   "layers columnwise or rowwise and the input embedding vocab_embedding");
+    }
+    STRATA_CHECK(p.sp.size == 1, "sp ", p.sp.size, " with tensor mode ", tensor_mode_name(p.tp.mode), ": sequence "
+                 "parallelism goes with tensor mode 1d; set the tensor mode to 1d, or sp to 1");
   }
   bool shards_sequence = false;
   for (const auto& [pattern, style] : p.tp.layers) shards_sequence = shards_sequence || style.sequence_parallel;

@@ -76,12 +76,9 @@ Trainer::Trainer(torch::nn::Sequential model, const DeviceMesh& mesh, const Hybr
   STRATA_CHECK(plan_.dims() == mesh_.dims(), "the plan ", plan_.describe(), " is not the mesh's layout (",
                mesh_.describe(), "): make the mesh with DeviceMesh::create(world, plan.dims())");
   STRATA_CHECK(model_ && model_->size() > 0, "the trainer needs a model with at least one layer");
-  STRATA_CHECK(plan_.tp.mode == TensorMode::k1D || plan_.tp.size == 1, "tensor mode ", tensor_mode_name(plan_.tp.mode),
-               ": the Trainer applies mode 1d (a module plan on an unmodified model); build a ",
-               tensor_mode_name(plan_.tp.mode), " model from its layers (tensor_parallel_2d.h, tensor_parallel_3d.h) "
-               "and attach it with Pipeline::attach or attach()");
-  STRATA_CHECK(plan_.tp.size == 1 || !plan_.tp.layers.empty(), "tp ", plan_.tp.size, " in mode 1d needs the plan's "
-               "tensor layers (parallelize()'s module plan: which Linear and Embedding submodules split how)");
+  STRATA_CHECK(plan_.tp.size == 1 || !plan_.tp.layers.empty(), "tp ", plan_.tp.size, " in mode ",
+               tensor_mode_name(plan_.tp.mode), " needs the plan's tensor layers (parallelize()'s module plan: which "
+               "Linear and Embedding submodules split how)");
   STRATA_CHECK(plan_.tp.size > 1 || plan_.tp.layers.empty(), "the plan gives tensor layers but tp is 1: set the "
                "tensor size, or drop the layers");
   STRATA_CHECK(plan_.pp.size == 1 || static_cast<int64_t>(model_->size()) >= plan_.pp.size * plan_.pp.virtual_stages,
@@ -92,7 +89,9 @@ Trainer::Trainer(torch::nn::Sequential model, const DeviceMesh& mesh, const Hybr
                plan_.zero_stage, ": the plan's zero_stage decides; set it there, or leave the options' at 0");
   attention_ = check_attention(model_, mesh_, plan_);
   // Collectives from here on; every check above ran on every rank alike.
-  if (plan_.tp.size > 1) parallelize(*model_, *mesh_.group(DeviceMesh::kTensor), plan_.tp.layers);
+  if (plan_.tp.size > 1) {
+    parallelize(*model_, mesh_.group(DeviceMesh::kTensor), plan_.tp.layers, plan_.tp.mode, plan_.tp.depth);
+  }
   options.zero_stage = plan_.zero_stage;
   std::shared_ptr<Communicator> replicas = mesh_.replicas()->world_size() > 1 ? mesh_.replicas() : nullptr;
   if (plan_.pp.size > 1) {

@@ -78,11 +78,14 @@ torch::Tensor reduce_scatter_dim(const torch::Tensor& x, Communicator& group) {
   return reduce_scatter_stacked(torch::stack(x.chunk(p, Dim), 0), group);
 }
 
-inline torch::Tensor own_slice_last(const torch::Tensor& x, Communicator& group) {
+/// This rank's slice of dimension Dim (-1: the last).
+template <int Dim>
+torch::Tensor own_slice(const torch::Tensor& x, Communicator& group) {
   if (group.world_size() == 1) return x;
-  const auto [begin, end] = slice_of(x.size(-1), group, "the last dimension");
-  return x.narrow(-1, begin, end - begin).contiguous();
+  const auto [begin, end] = slice_of(x.size(Dim), group, Dim == 0 ? "the first dimension" : "the last dimension");
+  return x.narrow(Dim, begin, end - begin).contiguous();
 }
+inline torch::Tensor own_slice_last(const torch::Tensor& x, Communicator& group) { return own_slice<-1>(x, group); }
 
 /// Rows of `ids` looked up in a vocabulary block, `weight` holding rows
 /// [begin, begin + weight.size(0)): the ids outside it give zero rows (the
@@ -118,6 +121,10 @@ using AllReduceBoth = GroupFunction<all_reduce_sum, all_reduce_sum>;
 /// gradient's blocks summed back to their owners.
 template <int Dim>
 using GatherSummed = GroupFunction<all_gather_dim<Dim>, reduce_scatter_dim<Dim>>;
+/// Gathered along Dim for a use every rank makes alike (the same loss of the
+/// whole output on every rank): backward keeps this rank's slice of the gradient.
+template <int Dim>
+using GatherKept = GroupFunction<all_gather_dim<Dim>, own_slice<Dim>>;
 /// Partial sums reduce-scattered along Dim; backward all-gathers.
 template <int Dim>
 using ReduceScatterGathered = GroupFunction<reduce_scatter_dim<Dim>, all_gather_dim<Dim>>;

@@ -24,6 +24,7 @@
 #include "strata/core/error.h"
 #include "strata/parallel/tensor_collectives.h"
 #include "strata/parallel/tensor_parallel.h"
+#include "grid_ops.h"
 #include "group_function.h"
 
 namespace strata::parallel {
@@ -100,9 +101,10 @@ torch::Tensor shared_over(const torch::Tensor& p, Communicator* group) {
   return group == nullptr || group->world_size() == 1 ? p : copy_to_group(p, *group);
 }
 
-int64_t block(int64_t n, int parts, const std::string& what) {
-  STRATA_CHECK(n % parts == 0, "2D tensor parallelism splits ", what, " (", n, ") into ", parts,
-               " equal blocks; choose sizes divisible by ", parts);
+// `of`: the layer or parameter, when there is one to name.
+int64_t block(int64_t n, int parts, const std::string& what, const std::string& of = "") {
+  STRATA_CHECK(n % parts == 0, "2D tensor parallelism splits ", what, " (", n, ")", of.empty() ? "" : " of " + of,
+               " into ", parts, " equal blocks; choose sizes divisible by ", parts);
   return n / parts;
 }
 
@@ -145,27 +147,109 @@ torch::Tensor TensorGrid::split(const torch::Tensor& whole) const {
   return split_batch(whole).narrow(-1, f * col_, f).contiguous();
 }
 
+// --- the layers' arithmetic (grid_ops.h) -------------------------------------
+
+namespace grid_ops {
+
+torch::Tensor fused_block_rows(const torch::Tensor& t, int fused, int index, int parts, const std::string& what,
+                               const std::string& of) {
+  STRATA_CHECK(fused >= 1 && t.size(0) % (static_cast<int64_t>(fused) * parts) == 0, "tensor parallelism splits ",
+               what, " (", t.size(0), fused > 1 ? fmt::format(" in {} fused blocks", fused) : std::string(), ") of ", of,
+               " into ", parts, " equal blocks", fused > 1 ? " each" : "", "; choose sizes divisible by ",
+               static_cast<int64_t>(fused) * parts);
+  if (fused == 1) return t.narrow(0, t.size(0) / parts * index, t.size(0) / parts);
+  const int64_t each = t.size(0) / fused, slice = each / parts;
+  std::vector<torch::Tensor> rows;
+  for (int f = 0; f < fused; ++f) rows.push_back(t.narrow(0, f * each + slice * index, slice));
+  return torch::cat(rows, 0);
+}
+
+torch::Tensor linear_2d_part(const torch::Tensor& w, const TensorGrid& g, int fused, const std::string& what) {
+  const int64_t in = block(w.size(1), g.q(), "the input features", what);
+  torch::NoGradGuard no_grad;
+  return fused_block_rows(w, fused, g.col(), g.q(), "the output features", what)
+      .narrow(1, in * g.row(), in)
+      .clone();
+}
+
+torch::Tensor features_2d_part(const torch::Tensor& v, const TensorGrid& g, int fused, const std::string& what) {
+  torch::NoGradGuard no_grad;
+  return fused_block_rows(v, fused, g.col(), g.q(), "the features", what).clone();
+}
+
+torch::Tensor embedding_2d_part(const torch::Tensor& w, const TensorGrid& g, const std::string& what) {
+  const int q = g.q();
+  const int64_t part = block(w.size(1), q * q, "the embedding dim", what);
+  torch::NoGradGuard no_grad;
+  return w.narrow(1, part * (g.col() * q + g.row()), part).clone();
+}
+
+torch::Tensor vocab_embedding_2d_part(const torch::Tensor& w, const TensorGrid& g, int64_t* vocab_begin,
+                                      const std::string& what) {
+  const int64_t vocab = block(w.size(0), g.q(), "the vocabulary", what);
+  const int64_t dim = block(w.size(1), g.q(), "the embedding dim", what);
+  *vocab_begin = vocab * g.row();
+  torch::NoGradGuard no_grad;
+  return w.narrow(0, *vocab_begin, vocab).narrow(1, dim * g.col(), dim).clone();
+}
+
+torch::Tensor linear_2d(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& bias, TensorGrid& g) {
+  torch::Tensor y = Summa::apply(&g, x, shared_over(w, g.depths()));
+  return bias.defined() ? y + shared_over(bias, &g.batch()) : y;
+}
+
+torch::Tensor layer_norm_2d(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& bias,
+                            int64_t features, double eps, TensorGrid& g) {
+  // The row holds the whole feature dimension: its sums are all-reduced along it.
+  const torch::Tensor mean = AllReduceBoth::apply(&g.rows(), x.sum(-1, true)) / static_cast<double>(features);
+  const torch::Tensor centred = x - mean;
+  const torch::Tensor var =
+      AllReduceBoth::apply(&g.rows(), (centred * centred).sum(-1, true)) / static_cast<double>(features);
+  torch::Tensor y = centred * torch::rsqrt(var + eps) * shared_over(w, &g.batch());
+  return bias.defined() ? y + shared_over(bias, &g.batch()) : y;
+}
+
+torch::Tensor embedding_2d(const torch::Tensor& w, const torch::Tensor& ids, TensorGrid& g) {
+  // The column's q blocks are this column's feature block; each row looks up its own batch.
+  return torch::embedding(GatherLastSummed::apply(&g.cols(), shared_over(w, g.depths())), ids);
+}
+
+torch::Tensor vocab_embedding_2d(const torch::Tensor& w, const torch::Tensor& ids, int64_t vocab_begin,
+                                 TensorGrid& g) {
+  // Every batch block of the column, looked up in this rank's vocabulary block.
+  // Ids travel bit for bit, as pairs of fp32 words (Gloo moves floats).
+  const torch::Tensor words = ids.to(torch::kLong).contiguous().view(torch::kFloat32);
+  const torch::Tensor all = all_gather_dim<0>(words, g.cols()).contiguous().view(torch::kLong);
+  const torch::Tensor rows = vocab_block_rows(shared_over(w, g.depths()), all, vocab_begin);
+  return ReduceScatterFirst::apply(&g.cols(), rows);
+}
+
+torch::Tensor gather_2d(const torch::Tensor& x, TensorGrid& g) {
+  // The batch group holds the batch blocks in block order, the row the
+  // feature blocks in column order. The features last: their gather
+  // concatenates into a new tensor, which a caller may add to in place
+  // (LibTorch 1.13's F::linear adds the bias so), where the batch's would be
+  // a view of the gather's buffer.
+  return GatherKept<-1>::apply(&g.rows(), GatherKept<0>::apply(&g.batch(), x));
+}
+
+}  // namespace grid_ops
+
 // --- layers ------------------------------------------------------------------
 
 Linear2DImpl::Linear2DImpl(int64_t in, int64_t out, TensorGrid& g, bool with_bias)
     : Linear2DImpl(torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(with_bias)), g) {}
 
 Linear2DImpl::Linear2DImpl(const torch::nn::Linear& full, TensorGrid& g) : grid(&g) {
-  const int64_t out = block(full->weight.size(0), g.q(), "the output features");
-  const int64_t in = block(full->weight.size(1), g.q(), "the input features");
-  torch::NoGradGuard no_grad;
-  weight = register_parameter("weight", full->weight.narrow(0, out * g.col(), out).narrow(1, in * g.row(), in).clone());
+  weight = register_parameter("weight", grid_ops::linear_2d_part(full->weight, g, 1, "a Linear2D"));
   mark_split(weight, g.group(), g.depth());
   if (full->bias.defined()) {
-    bias = register_parameter("bias", full->bias.narrow(0, out * g.col(), out).clone());
+    bias = register_parameter("bias", grid_ops::features_2d_part(full->bias, g, 1, "a Linear2D's bias"));
     mark_split(bias, g.group(), g.batch_blocks());
   }
 }
 
-torch::Tensor Linear2DImpl::forward(const torch::Tensor& x) {
-  torch::Tensor y = Summa::apply(grid, x, shared_over(weight, grid->depths()));
-  return bias.defined() ? y + shared_over(bias, &grid->batch()) : y;
-}
+torch::Tensor Linear2DImpl::forward(const torch::Tensor& x) { return grid_ops::linear_2d(x, weight, bias, *grid); }
 
 LayerNorm2DImpl::LayerNorm2DImpl(const torch::nn::LayerNorm& full, TensorGrid& g) : grid(&g) {
   const auto& shape = full->options.normalized_shape();
@@ -174,53 +258,31 @@ LayerNorm2DImpl::LayerNorm2DImpl(const torch::nn::LayerNorm& full, TensorGrid& g
                " dimensions", full->options.elementwise_affine() ? "" : " and no affine parameters");
   features = shape[0];
   eps = full->options.eps();
-  const int64_t f = block(features, g.q(), "the normalised features");
-  torch::NoGradGuard no_grad;
-  weight = register_parameter("weight", full->weight.narrow(0, f * g.col(), f).clone());
-  bias = register_parameter("bias", full->bias.narrow(0, f * g.col(), f).clone());
+  weight = register_parameter("weight", grid_ops::features_2d_part(full->weight, g, 1, "a LayerNorm2D"));
+  bias = register_parameter("bias", grid_ops::features_2d_part(full->bias, g, 1, "a LayerNorm2D"));
   mark_split(weight, g.group(), g.batch_blocks());
   mark_split(bias, g.group(), g.batch_blocks());
 }
 
 torch::Tensor LayerNorm2DImpl::forward(const torch::Tensor& x) {
-  // The row holds the whole feature dimension: its sums are all-reduced along it.
-  const torch::Tensor mean = AllReduceBoth::apply(&grid->rows(), x.sum(-1, true)) / static_cast<double>(features);
-  const torch::Tensor centred = x - mean;
-  const torch::Tensor var =
-      AllReduceBoth::apply(&grid->rows(), (centred * centred).sum(-1, true)) / static_cast<double>(features);
-  return centred * torch::rsqrt(var + eps) * shared_over(weight, &grid->batch()) + shared_over(bias, &grid->batch());
+  return grid_ops::layer_norm_2d(x, weight, bias, features, eps, *grid);
 }
 
 Embedding2DImpl::Embedding2DImpl(const torch::nn::Embedding& full, TensorGrid& g) : grid(&g) {
-  const int q = g.q();
-  const int64_t part = block(full->weight.size(1), q * q, "the embedding dim");
-  torch::NoGradGuard no_grad;
-  weight = register_parameter("weight", full->weight.narrow(1, part * (g.col() * q + g.row()), part).clone());
+  weight = register_parameter("weight", grid_ops::embedding_2d_part(full->weight, g, "an Embedding2D"));
   mark_split(weight, g.group(), g.depth());
 }
 
-torch::Tensor Embedding2DImpl::forward(const torch::Tensor& ids) {
-  // The column's q blocks are this column's feature block; each row looks up its own batch.
-  const torch::Tensor w = GatherLastSummed::apply(&grid->cols(), shared_over(weight, grid->depths()));
-  return torch::embedding(w, ids);
-}
+torch::Tensor Embedding2DImpl::forward(const torch::Tensor& ids) { return grid_ops::embedding_2d(weight, ids, *grid); }
 
 VocabEmbedding2DImpl::VocabEmbedding2DImpl(const torch::nn::Embedding& full, TensorGrid& g) : grid(&g) {
-  const int64_t vocab = block(full->weight.size(0), g.q(), "the vocabulary");
-  const int64_t dim = block(full->weight.size(1), g.q(), "the embedding dim");
-  vocab_begin = vocab * g.row();
-  torch::NoGradGuard no_grad;
-  weight = register_parameter("weight", full->weight.narrow(0, vocab_begin, vocab).narrow(1, dim * g.col(), dim).clone());
+  weight = register_parameter("weight",
+                              grid_ops::vocab_embedding_2d_part(full->weight, g, &vocab_begin, "a VocabEmbedding2D"));
   mark_split(weight, g.group(), g.depth());
 }
 
 torch::Tensor VocabEmbedding2DImpl::forward(const torch::Tensor& ids) {
-  // Every batch block of the column, looked up in this rank's vocabulary block.
-  // Ids travel bit for bit, as pairs of fp32 words (Gloo moves floats).
-  const torch::Tensor words = ids.to(torch::kLong).contiguous().view(torch::kFloat32);
-  const torch::Tensor all = all_gather_dim<0>(words, grid->cols()).contiguous().view(torch::kLong);
-  const torch::Tensor rows = vocab_block_rows(shared_over(weight, grid->depths()), all, vocab_begin);
-  return ReduceScatterFirst::apply(&grid->cols(), rows);
+  return grid_ops::vocab_embedding_2d(weight, ids, vocab_begin, *grid);
 }
 
 torch::Tensor cross_entropy_2d(const torch::Tensor& logits, const torch::Tensor& target, TensorGrid& grid) {

@@ -24,6 +24,7 @@
 #include "strata/core/error.h"
 #include "strata/parallel/tensor_collectives.h"
 #include "strata/parallel/tensor_parallel.h"
+#include "grid_ops.h"
 #include "group_function.h"
 
 namespace strata::parallel {
@@ -36,9 +37,10 @@ using GatherFirstSummed = GatherSummed<0>;
 using GatherLastSummed = GatherSummed<-1>;
 using ReduceScatterFirst = ReduceScatterGathered<0>;
 
-int64_t block(int64_t n, int parts, const std::string& what) {
-  STRATA_CHECK(n % parts == 0, "3D tensor parallelism splits ", what, " (", n, ") into ", parts,
-               " equal blocks; choose sizes divisible by ", parts);
+// `of`: the layer or parameter, when there is one to name.
+int64_t block(int64_t n, int parts, const std::string& what, const std::string& of = "") {
+  STRATA_CHECK(n % parts == 0, "3D tensor parallelism splits ", what, " (", n, ")", of.empty() ? "" : " of " + of,
+               " into ", parts, " equal blocks; choose sizes divisible by ", parts);
   return n / parts;
 }
 
@@ -90,32 +92,95 @@ torch::Tensor CubeGrid::split(const torch::Tensor& whole, Side3D side) const {
   return split_batch(whole, side).narrow(-1, f * coord(feature_axis(side)), f).contiguous();
 }
 
+// --- the layers' arithmetic (grid_ops.h) -------------------------------------
+
+namespace grid_ops {
+
+torch::Tensor linear_3d_part(const torch::Tensor& w, const CubeGrid& g, Side3D input_side, int fused,
+                             const std::string& what) {
+  const int d = g.d();
+  const int f = CubeGrid::feature_axis(input_side), o = CubeGrid::piece_axis(input_side);
+  const int64_t in = block(w.size(1), d, "the input features", what);
+  const int64_t piece = block(w.size(0) / d, d, "a block of the output features", what);
+  torch::NoGradGuard no_grad;
+  return fused_block_rows(w, fused, g.coord(o), d, "the output features", what)
+      .narrow(0, piece * g.i(), piece)
+      .narrow(1, in * g.coord(f), in)
+      .clone();
+}
+
+torch::Tensor linear_3d_bias_part(const torch::Tensor& b, const CubeGrid& g, Side3D input_side, int fused,
+                                  const std::string& what) {
+  torch::NoGradGuard no_grad;
+  return fused_block_rows(b, fused, g.coord(CubeGrid::piece_axis(input_side)), g.d(), "the bias", what).clone();
+}
+
+torch::Tensor features_3d_part(const torch::Tensor& v, const CubeGrid& g, Side3D side, const std::string& what) {
+  const int64_t f = block(v.size(0), g.d(), "the features", what);
+  torch::NoGradGuard no_grad;
+  return v.narrow(0, f * g.coord(CubeGrid::feature_axis(side)), f).clone();
+}
+
+torch::Tensor embedding_3d_part(const torch::Tensor& w, const CubeGrid& g, Side3D side, const std::string& what) {
+  const int d = g.d();
+  const int f = CubeGrid::feature_axis(side), o = CubeGrid::piece_axis(side);
+  const int64_t dim = block(w.size(1), d, "the embedding dim", what);
+  const int64_t piece = block(dim, d * d, "a block of the embedding dim", what);
+  torch::NoGradGuard no_grad;
+  return w.narrow(1, dim * g.coord(f) + piece * (g.i() * d + g.coord(o)), piece).clone();
+}
+
+torch::Tensor linear_3d(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& bias, CubeGrid& g,
+                        Side3D input_side) {
+  // Note [3D linear].
+  const int f = CubeGrid::feature_axis(input_side), o = CubeGrid::piece_axis(input_side);
+  const torch::Tensor xg = GatherFirstSummed::apply(&g.axis(o), x);
+  const torch::Tensor wg = GatherFirstSummed::apply(&g.axis(0), w);
+  torch::Tensor y = ReduceScatterFirst::apply(&g.axis(f), torch::matmul(xg, wg.t()));
+  return bias.defined() ? y + shared_over(bias, g.plane(o)) : y;
+}
+
+torch::Tensor layer_norm_3d(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& bias,
+                            int64_t features, double eps, CubeGrid& g, Side3D side) {
+  const int f = CubeGrid::feature_axis(side);
+  Communicator& across = g.axis(f);  // the other feature blocks of the same rows
+  const torch::Tensor mean = AllReduceBoth::apply(&across, x.sum(-1, true)) / static_cast<double>(features);
+  const torch::Tensor centred = x - mean;
+  const torch::Tensor var =
+      AllReduceBoth::apply(&across, (centred * centred).sum(-1, true)) / static_cast<double>(features);
+  torch::Tensor y = centred * torch::rsqrt(var + eps) * shared_over(w, g.plane(f));
+  return bias.defined() ? y + shared_over(bias, g.plane(f)) : y;
+}
+
+torch::Tensor embedding_3d(const torch::Tensor& w, const torch::Tensor& ids, CubeGrid& g, Side3D side) {
+  // The plane of this feature block holds its d^2 pieces, numbered i * d + (piece axis).
+  return torch::embedding(GatherLastSummed::apply(&g.plane(CubeGrid::feature_axis(side)), w), ids);
+}
+
+torch::Tensor gather_3d(const torch::Tensor& x, CubeGrid& g, Side3D side) {
+  // The feature axis holds the feature blocks in order, the plane of the
+  // feature axis's coordinate the batch pieces, numbered i * d + (piece axis).
+  // Features last, as gather_2d does.
+  const int f = CubeGrid::feature_axis(side);
+  return GatherKept<-1>::apply(&g.axis(f), GatherKept<0>::apply(&g.plane(f), x));
+}
+
+}  // namespace grid_ops
+
 Linear3DImpl::Linear3DImpl(int64_t in, int64_t out, CubeGrid& g, Side3D side, bool with_bias)
     : Linear3DImpl(torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(with_bias)), g, side) {}
 
 Linear3DImpl::Linear3DImpl(const torch::nn::Linear& full, CubeGrid& g, Side3D side) : grid(&g), input_side(side) {
-  const int d = g.d();
-  const int f = CubeGrid::feature_axis(side), o = CubeGrid::piece_axis(side);
-  const int64_t out = block(full->weight.size(0), d, "the output features");
-  const int64_t in = block(full->weight.size(1), d, "the input features");
-  const int64_t piece = block(out, d, "a block of the output features");
-  torch::NoGradGuard no_grad;
-  weight = register_parameter(
-      "weight", full->weight.narrow(0, out * g.coord(o) + piece * g.i(), piece).narrow(1, in * g.coord(f), in).clone());
+  weight = register_parameter("weight", grid_ops::linear_3d_part(full->weight, g, side, 1, "a Linear3D"));
   mark_split(weight, g.group(), 1);
   if (full->bias.defined()) {
-    bias = register_parameter("bias", full->bias.narrow(0, out * g.coord(o), out).clone());
-    mark_split(bias, g.group(), d * d);
+    bias = register_parameter("bias", grid_ops::linear_3d_bias_part(full->bias, g, side, 1, "a Linear3D"));
+    mark_split(bias, g.group(), g.d() * g.d());
   }
 }
 
 torch::Tensor Linear3DImpl::forward(const torch::Tensor& x) {
-  // Note [3D linear].
-  const int f = CubeGrid::feature_axis(input_side), o = CubeGrid::piece_axis(input_side);
-  const torch::Tensor xg = GatherFirstSummed::apply(&grid->axis(o), x);
-  const torch::Tensor wg = GatherFirstSummed::apply(&grid->axis(0), weight);
-  torch::Tensor y = ReduceScatterFirst::apply(&grid->axis(f), torch::matmul(xg, wg.t()));
-  return bias.defined() ? y + shared_over(bias, grid->plane(o)) : y;
+  return grid_ops::linear_3d(x, weight, bias, *grid, input_side);
 }
 
 LayerNorm3DImpl::LayerNorm3DImpl(const torch::nn::LayerNorm& full, CubeGrid& g, Side3D s) : grid(&g), side(s) {
@@ -124,40 +189,23 @@ LayerNorm3DImpl::LayerNorm3DImpl(const torch::nn::LayerNorm& full, CubeGrid& g, 
                "dimension with a weight and a bias");
   features = shape[0];
   eps = full->options.eps();
-  const int64_t f = block(features, g.d(), "the normalised features");
-  const int c = g.coord(CubeGrid::feature_axis(s));
-  torch::NoGradGuard no_grad;
-  weight = register_parameter("weight", full->weight.narrow(0, f * c, f).clone());
-  bias = register_parameter("bias", full->bias.narrow(0, f * c, f).clone());
+  weight = register_parameter("weight", grid_ops::features_3d_part(full->weight, g, s, "a LayerNorm3D"));
+  bias = register_parameter("bias", grid_ops::features_3d_part(full->bias, g, s, "a LayerNorm3D"));
   mark_split(weight, g.group(), g.d() * g.d());
   mark_split(bias, g.group(), g.d() * g.d());
 }
 
 torch::Tensor LayerNorm3DImpl::forward(const torch::Tensor& x) {
-  const int f = CubeGrid::feature_axis(side);
-  Communicator& across = grid->axis(f);  // the other feature blocks of the same rows
-  const torch::Tensor mean = AllReduceBoth::apply(&across, x.sum(-1, true)) / static_cast<double>(features);
-  const torch::Tensor centred = x - mean;
-  const torch::Tensor var =
-      AllReduceBoth::apply(&across, (centred * centred).sum(-1, true)) / static_cast<double>(features);
-  return centred * torch::rsqrt(var + eps) * shared_over(weight, grid->plane(f)) + shared_over(bias, grid->plane(f));
+  return grid_ops::layer_norm_3d(x, weight, bias, features, eps, *grid, side);
 }
 
 Embedding3DImpl::Embedding3DImpl(const torch::nn::Embedding& full, CubeGrid& g, Side3D s) : grid(&g), side(s) {
-  const int d = g.d();
-  const int f = CubeGrid::feature_axis(s), o = CubeGrid::piece_axis(s);
-  const int64_t dim = block(full->weight.size(1), d, "the embedding dim");
-  const int64_t piece = block(dim, d * d, "a block of the embedding dim");
-  torch::NoGradGuard no_grad;
-  weight = register_parameter(
-      "weight", full->weight.narrow(1, dim * g.coord(f) + piece * (g.i() * d + g.coord(o)), piece).clone());
+  weight = register_parameter("weight", grid_ops::embedding_3d_part(full->weight, g, s, "an Embedding3D"));
   mark_split(weight, g.group(), 1);
 }
 
 torch::Tensor Embedding3DImpl::forward(const torch::Tensor& ids) {
-  // The plane of this feature block holds its d^2 pieces, numbered i * d + (piece axis).
-  const torch::Tensor w = GatherLastSummed::apply(&grid->plane(CubeGrid::feature_axis(side)), weight);
-  return torch::embedding(w, ids);
+  return grid_ops::embedding_3d(weight, ids, *grid, side);
 }
 
 torch::Tensor cross_entropy_3d(const torch::Tensor& logits, const torch::Tensor& target, CubeGrid& grid, Side3D side) {

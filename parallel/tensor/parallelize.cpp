@@ -10,13 +10,91 @@
 
 #include "strata/core/error.h"
 #include "strata/parallel/tensor_parallel.h"
+#include "parallelize_parts.h"
 #include "placement.h"
 
 namespace strata::parallel {
 
+namespace tensor_layout {
+
+c10::optional<at::Tensor> SummedAdd::add(const at::Tensor& self, const at::Tensor& param, const c10::Scalar& alpha,
+                                         bool in_place) const {
+  const torch::Tensor p = copy_to_group(param, *group);
+  if (!in_place) return torch::add(self, p, alpha);
+  torch::Tensor s = self;
+  return s.add_(p, alpha);
+}
+
+namespace {
+
+bool matches(const std::string& pattern, const std::string& name) {
+  auto atoms = [](const std::string& s) {
+    std::vector<std::string> out;
+    size_t from = 0;
+    for (size_t dot; (dot = s.find('.', from)) != std::string::npos; from = dot + 1) out.push_back(s.substr(from, dot - from));
+    out.push_back(s.substr(from));
+    return out;
+  };
+  const std::vector<std::string> p = atoms(pattern), n = atoms(name);
+  if (p.size() != n.size()) return false;
+  for (size_t i = 0; i < p.size(); ++i) {
+    if (fnmatch(p[i].c_str(), n[i].c_str(), 0) != 0) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+const char* kind_name(ParallelStyle::Kind k) {
+  switch (k) {
+    case ParallelStyle::Kind::kColumnwise: return "columnwise";
+    case ParallelStyle::Kind::kRowwise: return "rowwise";
+    case ParallelStyle::Kind::kVocabEmbedding: return "vocab_embedding";
+    case ParallelStyle::Kind::kReplicated: return "replicated";
+    case ParallelStyle::Kind::kSequenceShard: return "sequence_shard";
+  }
+  return "?";
+}
+
+std::vector<int> match_plan(const std::vector<std::string>& names, const ParallelPlan& plan) {
+  std::vector<int> chosen(names.size(), -1);
+  std::vector<bool> used(plan.size(), false);
+  for (size_t n = 0; n < names.size(); ++n) {
+    for (size_t i = 0; i < plan.size(); ++i) {
+      if (!matches(plan[i].first, names[n])) continue;
+      STRATA_CHECK(chosen[n] < 0, "submodule ", names[n], " matches two plan entries, \"", plan[chosen[n]].first,
+                   "\" and \"", plan[i].first, "\"; make the patterns disjoint");
+      chosen[n] = static_cast<int>(i);
+      used[i] = true;
+    }
+  }
+  for (size_t i = 0; i < plan.size(); ++i) {
+    STRATA_CHECK(used[i], "plan entry \"", plan[i].first, "\" matches no submodule of the module; names look like \"",
+                 names.empty() ? std::string("(none)") : names.front(), "\" (named_modules())");
+  }
+  return chosen;
+}
+
+void check_unsplit(const torch::Tensor& param, const std::string& module) {
+  STRATA_CHECK(!param.key_set().has(c10::DispatchKey::TESTING_ONLY_GenericMode), "submodule ", module,
+               "'s parameters belong to an attached engine; call parallelize before attach");
+  STRATA_CHECK(tensor_group_of(param) == nullptr, "submodule ", module,
+               " is already split over a tensor group; parallelize a module once");
+}
+
+void replace_data(torch::Tensor& param, const torch::Tensor& part) {
+  torch::NoGradGuard no_grad;
+  param.set_data(part.clone());
+  if (param.grad().defined()) param.mutable_grad() = torch::Tensor();
+}
+
+}  // namespace tensor_layout
+
 namespace {
 
 using tensor_layout::Placement;
+using tensor_layout::SummedAdd;
+using tensor_layout::kind_name;
 
 using Product = std::function<torch::Tensor(const torch::Tensor&)>;
 
@@ -35,7 +113,8 @@ struct ColumnLinear final : Placement {
   bool gather;
   int64_t sequence_dim;  // -1: none
   ColumnLinear(Communicator& g, bool gather_output, int64_t seq) : group(&g), gather(gather_output), sequence_dim(seq) {}
-  c10::optional<torch::Tensor> linear(const torch::Tensor& x, const Product& local_product,
+  c10::optional<torch::Tensor> linear(const torch::Tensor& x, const torch::Tensor& /*weight*/,
+                                      const Product& local_product,
                                       const c10::optional<torch::Tensor>& bias) const override {
     const torch::Tensor in = sequence_dim >= 0 ? gather_sequence(x, *group, sequence_dim) : copy_to_group(x, *group);
     torch::Tensor y = local_product(in);
@@ -51,7 +130,8 @@ struct RowLinear final : Placement {
   Communicator* group;
   int64_t local_in, sequence_dim;
   RowLinear(Communicator& g, int64_t in_part, int64_t seq) : group(&g), local_in(in_part), sequence_dim(seq) {}
-  c10::optional<torch::Tensor> linear(const torch::Tensor& x, const Product& local_product,
+  c10::optional<torch::Tensor> linear(const torch::Tensor& x, const torch::Tensor& /*weight*/,
+                                      const Product& local_product,
                                       const c10::optional<torch::Tensor>& bias) const override {
     const int64_t p = group->world_size();
     STRATA_CHECK(x.size(-1) == local_in || x.size(-1) == local_in * p, "a row-wise layer of ", local_in * p,
@@ -64,21 +144,6 @@ struct RowLinear final : Placement {
   }
 };
 
-// A whole parameter added to sequence shards (a row-wise layer's bias under
-// sequence parallelism, which LibTorch 1.13's F::linear adds after the
-// matmul): its gradient is summed over the group.
-struct SummedAdd final : Placement {
-  Communicator* group;
-  explicit SummedAdd(Communicator& g) : group(&g) {}
-  c10::optional<torch::Tensor> add(const torch::Tensor& self, const torch::Tensor& param, const c10::Scalar& alpha,
-                                   bool in_place) const override {
-    const torch::Tensor p = copy_to_group(param, *group);
-    if (!in_place) return torch::add(self, p, alpha);
-    torch::Tensor s = self;
-    return s.add_(p, alpha);
-  }
-};
-
 // Vocabulary rows: lookups masked and all-reduced; as an output projection
 // (tied embeddings) a column-wise linear, its logits gathered or kept split.
 struct VocabEmbedding final : Placement {
@@ -88,9 +153,9 @@ struct VocabEmbedding final : Placement {
   int64_t sequence_dim;  // -1: none; else lookups reduce-scattered along it
   VocabEmbedding(Communicator& g, int64_t vocab_begin, bool gather, int64_t seq)
       : group(&g), begin(vocab_begin), gather_logits(gather), sequence_dim(seq) {}
-  c10::optional<torch::Tensor> linear(const torch::Tensor& x, const Product& local_product,
+  c10::optional<torch::Tensor> linear(const torch::Tensor& x, const torch::Tensor& weight, const Product& local_product,
                                       const c10::optional<torch::Tensor>& bias) const override {
-    return ColumnLinear(*group, gather_logits, sequence_dim).linear(x, local_product, bias);
+    return ColumnLinear(*group, gather_logits, sequence_dim).linear(x, weight, local_product, bias);
   }
   c10::optional<torch::Tensor> embedding(const torch::Tensor& weight, const torch::Tensor& ids, int64_t padding_idx,
                                          bool, bool) const override {
@@ -133,33 +198,6 @@ struct ColumnEmbedding final : Placement {
   }
 };
 
-bool matches(const std::string& pattern, const std::string& name) {
-  auto atoms = [](const std::string& s) {
-    std::vector<std::string> out;
-    size_t from = 0;
-    for (size_t dot; (dot = s.find('.', from)) != std::string::npos; from = dot + 1) out.push_back(s.substr(from, dot - from));
-    out.push_back(s.substr(from));
-    return out;
-  };
-  const std::vector<std::string> p = atoms(pattern), n = atoms(name);
-  if (p.size() != n.size()) return false;
-  for (size_t i = 0; i < p.size(); ++i) {
-    if (fnmatch(p[i].c_str(), n[i].c_str(), 0) != 0) return false;
-  }
-  return true;
-}
-
-const char* style_name(ParallelStyle::Kind k) {
-  switch (k) {
-    case ParallelStyle::Kind::kColumnwise: return "columnwise";
-    case ParallelStyle::Kind::kRowwise: return "rowwise";
-    case ParallelStyle::Kind::kVocabEmbedding: return "vocab_embedding";
-    case ParallelStyle::Kind::kReplicated: return "replicated";
-    case ParallelStyle::Kind::kSequenceShard: return "sequence_shard";
-  }
-  return "?";
-}
-
 // One matched submodule: what to keep of each parameter, checked before any change.
 struct Cut {
   std::string name;
@@ -193,7 +231,7 @@ Cut plan_cut(torch::nn::Module& m, const std::string& name, const ParallelStyle&
                ": the sequence dimension must be 0 or more (got ", style.sequence_dim, ")");
   auto* linear = m.as<torch::nn::Linear>();
   auto* embedding = m.as<torch::nn::Embedding>();
-  const std::string where = "submodule " + name + " (" + style_name(style.kind) + ")";
+  const std::string where = "submodule " + name + " (" + kind_name(style.kind) + ")";
   switch (style.kind) {
     case ParallelStyle::Kind::kReplicated:
       return c;
@@ -265,54 +303,37 @@ Cut plan_cut(torch::nn::Module& m, const std::string& name, const ParallelStyle&
   return c;
 }
 
-void replace_data(torch::Tensor& param, const torch::Tensor& part) {
-  torch::NoGradGuard no_grad;
-  param.set_data(part.clone());
-  if (param.grad().defined()) param.mutable_grad() = torch::Tensor();
-}
-
 }  // namespace
 
 ParallelizeResult parallelize(torch::nn::Module& module, Communicator& group, const ParallelPlan& plan) {
   ParallelizeResult result;
   for (const auto& p : module.parameters()) result.full_params += p.numel();
   const auto named = module.named_modules("", /*include_self=*/false);
+  std::vector<std::string> names;
+  for (const auto& item : named) names.push_back(item.key());
+  const std::vector<int> chosen = tensor_layout::match_plan(names, plan);
   std::vector<Cut> cuts;
-  std::vector<bool> used(plan.size(), false);
   std::unordered_set<const c10::TensorImpl*> weights;
+  size_t at = 0;
   for (const auto& item : named) {
-    int chosen = -1;
-    for (size_t i = 0; i < plan.size(); ++i) {
-      if (!matches(plan[i].first, item.key())) continue;
-      STRATA_CHECK(chosen < 0, "submodule ", item.key(), " matches two plan entries, \"", plan[chosen].first,
-                   "\" and \"", plan[i].first, "\"; make the patterns disjoint");
-      chosen = static_cast<int>(i);
-      used[i] = true;
-    }
-    if (chosen < 0) continue;
-    Cut c = plan_cut(*item.value(), item.key(), plan[chosen].second, group);
+    const int entry = chosen[at++];
+    if (entry < 0) continue;
+    Cut c = plan_cut(*item.value(), item.key(), plan[entry].second, group);
     if (!c.weight.defined()) continue;  // replicated
-    STRATA_CHECK(!c.weight.key_set().has(c10::DispatchKey::TESTING_ONLY_GenericMode),
-                 "submodule ", item.key(), "'s parameters belong to an attached engine; call parallelize before attach");
-    STRATA_CHECK(tensor_group_of(c.weight) == nullptr, "submodule ", item.key(),
-                 " is already split over a tensor group; parallelize a module once");
+    tensor_layout::check_unsplit(c.weight, item.key());
     STRATA_CHECK(weights.insert(c.weight.unsafeGetTensorImpl()).second, "submodule ", item.key(),
                  " shares its weight with another submodule of the plan; name only one of them (a linear that uses a "
                  "vocab_embedding's weight is split with it)");
     cuts.push_back(std::move(c));
   }
-  for (size_t i = 0; i < plan.size(); ++i) {
-    STRATA_CHECK(used[i], "plan entry \"", plan[i].first, "\" matches no submodule of the module; names look like \"",
-                 named.is_empty() ? std::string("(none)") : named.begin()->key(), "\" (named_modules())");
-  }
   // Every check passed: change the module.
   for (Cut& c : cuts) {
-    if (!c.keep_shape) replace_data(c.weight, c.new_weight);
+    if (!c.keep_shape) tensor_layout::replace_data(c.weight, c.new_weight);
     tensor_layout::place(c.weight, group, c.copies, c.placement);
     if (c.keep_shape && c.bias.defined()) mark_split(c.bias, group, c.copies);  // whole: counted once
     if (c.bias_placement != nullptr) tensor_layout::place(c.bias, group, group.world_size(), c.bias_placement);
     if (c.bias.defined() && c.bias_split) {
-      replace_data(c.bias, c.new_bias);
+      tensor_layout::replace_data(c.bias, c.new_bias);
       mark_split(c.bias, group);
     }
     result.split.push_back(c.name);

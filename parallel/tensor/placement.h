@@ -41,13 +41,15 @@ namespace strata::parallel::tensor_layout {
 class Placement {
  public:
   virtual ~Placement() = default;
-  /// y = x W^T (+ bias) with W this parameter: `local_product(x')` is x'
-  /// times this rank's part of W^T; `bias` is the operator's (null: none).
-  /// Returns the tensor-parallel result, or nullopt when W is not used so.
-  virtual c10::optional<at::Tensor> linear(const at::Tensor& x,
+  /// y = x W^T (+ bias) with W this parameter: `weight` is this rank's
+  /// part of W [out, in] (autograd reaching the parameter), and
+  /// `local_product(x')` is x' times it transposed, as the operator would
+  /// have computed it; `bias` is the operator's (null: none). Returns the
+  /// tensor-parallel result, or nullopt when W is not used so.
+  virtual c10::optional<at::Tensor> linear(const at::Tensor& x, const at::Tensor& weight,
                                            const std::function<at::Tensor(const at::Tensor&)>& local_product,
                                            const c10::optional<at::Tensor>& bias) const {
-    (void)x, (void)local_product, (void)bias;
+    (void)x, (void)weight, (void)local_product, (void)bias;
     return c10::nullopt;
   }
   /// aten::layer_norm with this parameter as the weight, or nullopt.

@@ -3,9 +3,9 @@
 // against the same model trained by plain LibTorch in one process on every
 // replica's batch. Run under `strata run -n <dp*pp*tp*sp>`:
 //
-//   hybrid_check [--dp D] [--pp P] [--tp T] [--sp S] [--zero Z] [--schedule S]
-//                [--microbatches M] [--sp-mode M] [--sequence-parallel]
-//                [--host-fraction F] [--steps N]
+//   hybrid_check [--dp D] [--pp P] [--tp T] [--tp-mode 1d|2d|2.5d|3d] [--depth K]
+//                [--sp S] [--zero Z] [--schedule S] [--microbatches M] [--sp-mode M]
+//                [--sequence-parallel] [--host-fraction F] [--steps N] [--batch B]
 //
 // Each step's loss must equal the reference's, every parameter this rank
 // holds must equal its part of the reference's after the last step, and the
@@ -31,7 +31,7 @@ namespace {
 
 using namespace strata::parallel;
 
-constexpr int64_t kVocab = 32, kDim = 16, kHeads = 4, kContext = 16, kBatch = 4;
+constexpr int64_t kVocab = 32, kDim = 16, kHeads = 4, kContext = 16;
 
 // Plain causal attention (the reference), or the plan's sequence attention.
 torch::Tensor attend(sequence::Attention a, const torch::Tensor& q, const torch::Tensor& k,
@@ -113,10 +113,10 @@ torch::Tensor loss_of(const torch::Tensor& logits, const torch::Tensor& targets)
   return torch::nn::functional::cross_entropy(logits.reshape({-1, kVocab}), targets.reshape({-1}));
 }
 
-std::pair<torch::Tensor, torch::Tensor> batch(int step, int replica) {
+std::pair<torch::Tensor, torch::Tensor> batch(int step, int replica, int64_t size) {
   torch::manual_seed(100 + step * 17 + replica);
-  const torch::Tensor x = torch::randint(0, kVocab, {kBatch, kContext});
-  const torch::Tensor y = torch::randint(0, kVocab, {kBatch, kContext});
+  const torch::Tensor x = torch::randint(0, kVocab, {size, kContext});
+  const torch::Tensor y = torch::randint(0, kVocab, {size, kContext});
   return {x, y};
 }
 
@@ -139,8 +139,8 @@ std::string layers_json(bool seq) {
 }
 
 struct Args {
-  int dp = 1, pp = 1, tp = 1, sp = 1, zero = 0, microbatches = 0, steps = 6;
-  std::string schedule = "1f1b", sp_mode = "ring-attention";
+  int dp = 1, pp = 1, tp = 1, sp = 1, zero = 0, microbatches = 0, steps = 6, depth = 1, batch = 4;
+  std::string schedule = "1f1b", sp_mode = "ring-attention", tp_mode = "1d";
   bool sequence_parallel = false;
   double host_fraction = 0.0;  // 0: everything resident; else host budget = fraction x model state
   std::string refuse;          // a Trainer refusal to provoke (refusals())
@@ -148,7 +148,8 @@ struct Args {
 
 // --refuse CASE: the trainer must refuse, on every rank alike, before any
 // collective of its own: no-attention (sp 2, a model without the plan's
-// attention), no-layers (tp 2 without a module plan), grid (tp 4 in mode 2d),
+// attention), no-layers (tp 2 without a module plan), grid (tp 4 in mode 2d
+// with a module plan that leaves the linear layers out),
 // zero (engine options asking for another ZeRO stage than the plan's).
 int refusals(const Args& a) {
   const Rendezvous r = Rendezvous::from_env();
@@ -166,7 +167,8 @@ int refusals(const Args& a) {
   } else if (a.refuse == "grid") {
     plan.tp.size = r.world_size;
     plan.tp.mode = TensorMode::k2D;
-    want = "the Trainer applies mode 1d";
+    plan.tp.layers = {{"0.tok", ParallelStyle::vocab_embedding()}};
+    want = "is a linear layer the plan does not name: in tensor mode 2d every activation is split";
   } else if (a.refuse == "zero") {
     plan.dp = r.world_size;
     plan.zero_stage = 1;
@@ -217,14 +219,61 @@ torch::Tensor local_part(const std::string& name, const torch::Tensor& full, con
   return full;
 }
 
+// Rows of block `index` of `parts` of each of `fused` equal blocks along dimension 0, concatenated.
+torch::Tensor fused_block(const torch::Tensor& w, int fused, int index, int parts) {
+  const int64_t each = w.size(0) / fused, n = each / parts;
+  std::vector<torch::Tensor> rows;
+  for (int f = 0; f < fused; ++f) rows.push_back(w.narrow(0, f * each + index * n, n));
+  return torch::cat(rows, 0);
+}
+
+// This rank's part of the reference's parameter `name` in a grid mode, as
+// the 2D/2.5D layers (rank = (depth * q + row) * q + col) and the 3D ones
+// (rank = (i * d + j) * d + k; columnwise layers from side A, rowwise from B)
+// keep it: written out here from the layouts in tensor_parallel_2d.h and _3d.h.
+torch::Tensor grid_part(const std::string& name, const torch::Tensor& full, const HybridPlan& plan, int r) {
+  const auto has = [&](const char* part) { return name.find(part) != std::string::npos; };
+  const bool bias = has(".bias");
+  const int fused = has(".qkv.") ? 3 : 1;
+  const bool columnwise = has(".qkv.") || has(".up.") || has(".out.");
+  const bool linear = columnwise || has(".proj.") || has(".down.");
+  if (has(".out.") && bias) return full;  // a gathered output's bias stays whole
+  if (plan.tp.mode != TensorMode::k3D) {
+    const int q = static_cast<int>(std::lround(std::sqrt(plan.tp.size / plan.tp.depth)));
+    const int col = r % q, row = (r / q) % q;
+    if (linear && !bias) {
+      const int64_t in = full.size(1) / q;
+      return fused_block(full, fused, col, q).narrow(1, row * in, in);
+    }
+    if (has(".tok.")) return full.narrow(0, row * kVocab / q, kVocab / q).narrow(1, col * kDim / q, kDim / q);
+    if (has(".pos.")) return full.narrow(1, (col * q + row) * kDim / (q * q), kDim / (q * q));
+    return fused_block(full, fused, col, q);  // biases and norms: feature block col
+  }
+  const int d = static_cast<int>(std::lround(std::cbrt(plan.tp.size)));
+  const int k = r % d, j = (r / d) % d, i = r / (d * d);
+  const int feature = columnwise ? k : j, piece = columnwise ? j : k;  // the input side's axes
+  if (linear) {
+    const torch::Tensor out_block = fused_block(full, fused, piece, d);
+    if (bias) return out_block;
+    const int64_t rows = out_block.size(0) / d, in = full.size(1) / d;
+    return out_block.narrow(0, i * rows, rows).narrow(1, feature * in, in);
+  }
+  if (has(".tok.") || has(".pos.")) {
+    const int64_t block = kDim / d, part = block / (d * d);
+    return full.narrow(1, k * block + (i * d + j) * part, part);  // side A: feature block k, piece i * d + j
+  }
+  return full.narrow(0, k * kDim / d, kDim / d);  // norms on side A
+}
+
 std::string nvme_dir() { return fmt::format("/tmp/strata-hybrid-check-{}", ::getpid()); }
 
 int run(const Args& a) {
   const Rendezvous r = Rendezvous::from_env();
   const std::string json = fmt::format(
       R"j({{"dp": {}, "zero_stage": {}, "pipeline": {{"size": {}, "schedule": "{}", "microbatches": {}}},
-          "tensor": {{"size": {}, "sequence_parallel": {}{}}}, "sequence": {{"size": {}, "mode": "{}"}}}})j",
-      a.dp, a.zero, a.pp, a.schedule, a.microbatches, a.tp, a.sequence_parallel ? "true" : "false",
+          "tensor": {{"size": {}, "mode": "{}", "depth": {}, "sequence_parallel": {}{}}},
+          "sequence": {{"size": {}, "mode": "{}"}}}})j",
+      a.dp, a.zero, a.pp, a.schedule, a.microbatches, a.tp, a.tp_mode, a.depth, a.sequence_parallel ? "true" : "false",
       a.tp > 1 ? ", \"layers\": " + layers_json(a.sequence_parallel) : std::string(), a.sp, a.sp_mode);
   ModelShape shape;
   shape.hidden = kDim;
@@ -244,10 +293,13 @@ int run(const Args& a) {
   const std::string nvme = nvme_dir();
   if (a.host_fraction > 0) {
     // Budgets from this rank's share of the state (16 bytes per parameter):
-    // device a quarter, host the fraction asked, NVMe the rest and more.
+    // device a quarter, host the fraction asked (at least five 4 KiB chunks:
+    // one family's parameters, gradients and optimizer state, and one
+    // arriving), NVMe the rest and more.
     const double share = static_cast<double>(params) * 16 / (plan.pp.size * plan.tp.size);
     o.budgets = {static_cast<uint64_t>(share / 4) / 4096 * 4096 + 16384,
-                 static_cast<uint64_t>(share * a.host_fraction) + 8192, static_cast<uint64_t>(share * 4) + (1 << 20)};
+                 std::max<uint64_t>(static_cast<uint64_t>(share * a.host_fraction) + 8192, 5 * 4096),
+                 static_cast<uint64_t>(share * 4) + (1 << 20)};
     o.nvme_dir = nvme;
   } else {
     o.budgets = {static_cast<uint64_t>(params) * 64 + (1 << 20), static_cast<uint64_t>(params) * 64 + (1 << 20), 0};
@@ -263,7 +315,7 @@ int run(const Args& a) {
     torch::Tensor total = torch::zeros({});
     double mine = 0.0;
     for (int d = 0; d < plan.dp; ++d) {
-      const auto [x, y] = batch(s, d);
+      const auto [x, y] = batch(s, d, a.batch);
       const torch::Tensor l = loss_of(reference->forward(x), y);
       if (d == replica) mine = l.item<double>();
       total = total + l / plan.dp;
@@ -271,7 +323,7 @@ int run(const Args& a) {
     total.backward();
     torch::nn::utils::clip_grad_norm_(reference->parameters(), o.clip_norm);
     adamw.step();
-    const auto [x, y] = batch(s, replica);
+    const auto [x, y] = batch(s, replica, a.batch);
     const StepResult got = trainer.step(x, y, loss_of);
     STRATA_CHECK(got.stepped, label, ": step ", s, " was skipped");
     STRATA_CHECK(std::fabs(got.loss - mine) <= 1e-5 * std::max(1.0, std::fabs(mine)), label, ": step ", s, " loss ",
@@ -284,7 +336,9 @@ int run(const Args& a) {
   for (const auto& item : trainer.module().named_parameters()) {
     std::string name = item.key();
     if (plan.pp.size > 1) name = name.substr(name.find('.') + 1);  // "stage<s>.<layer>.<rest>"
-    const torch::Tensor expect = local_part(name, want[name].detach(), plan, mesh.coord(DeviceMesh::kTensor));
+    const torch::Tensor expect = plan.tp.mode == TensorMode::k1D
+                                     ? local_part(name, want[name].detach(), plan, mesh.coord(DeviceMesh::kTensor))
+                                     : grid_part(name, want[name].detach(), plan, mesh.coord(DeviceMesh::kTensor));
     const torch::Tensor got = item.value().detach().to(torch::kCPU);
     STRATA_CHECK(got.sizes() == expect.sizes(), label, ": parameter ", name, " has shape ", got.sizes(),
                  ", its part of the reference ", expect.sizes());
@@ -295,7 +349,7 @@ int run(const Args& a) {
   }
   STRATA_CHECK(compared > 0, label, ": this rank holds no parameter to compare");
   // Evaluation on a fixed batch: the whole trained model at once.
-  const auto [ex, ey] = batch(99, 0);
+  const auto [ex, ey] = batch(99, 0, a.batch);
   const torch::Tensor out = trainer.evaluate(ex);
   const bool last = mesh.coord(DeviceMesh::kPipeline) == plan.pp.size - 1;
   if (last) {
@@ -335,6 +389,9 @@ int main(int argc, char** argv) {
     if (arg == "--dp") a.dp = std::stoi(next());
     else if (arg == "--pp") a.pp = std::stoi(next());
     else if (arg == "--tp") a.tp = std::stoi(next());
+    else if (arg == "--tp-mode") a.tp_mode = next();
+    else if (arg == "--depth") a.depth = std::stoi(next());
+    else if (arg == "--batch") a.batch = std::stoi(next());
     else if (arg == "--sp") a.sp = std::stoi(next());
     else if (arg == "--zero") a.zero = std::stoi(next());
     else if (arg == "--schedule") a.schedule = next();

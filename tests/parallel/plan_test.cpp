@@ -154,8 +154,27 @@ TEST(HybridPlan, EveryRefusalSaysWhatToChange) {
   EXPECT_HAS(refusal([](HybridPlan& p) {
                 p.tp.size = 4;
                 p.tp.mode = TensorMode::k2D;
+                p.tp.layers = {{"fc", ParallelStyle::columnwise()}, {"ln", ParallelStyle::sequence_shard()}};
+              }, 4), "gives \"ln\" the style sequence_shard(dim=0); in mode 2d every activation is split");
+  EXPECT_HAS(refusal([](HybridPlan& p) {
+                p.tp.size = 8;
+                p.tp.mode = TensorMode::k3D;
+                p.tp.layers = {{"fc", ParallelStyle::replicated()}};
+              }, 8), "gives \"fc\" the style replicated; in mode 3d");
+  EXPECT_HAS(refusal([](HybridPlan& p) {
+                p.tp.size = 4;
+                p.tp.mode = TensorMode::k2D;
+                p.sp.size = 2;
                 p.tp.layers = {{"fc", ParallelStyle::columnwise()}};
-              }, 4), "mode 2d builds the model from its own layers");
+              }, 8), "sp 2 with tensor mode 2d: sequence parallelism goes with tensor mode 1d");
+  EXPECT_HAS(refusal([](HybridPlan& p) {
+                p.tp.size = 9;
+                p.tp.mode = TensorMode::k2D;
+              }, 9, [] {
+                ModelShape s;
+                s.heads = 4;
+                return s;
+              }()), "(2d) splits the model's 4 attention heads into 3 feature blocks");
   EXPECT_HAS(refusal([](HybridPlan& p) { p.tp.sequence_parallel = true; }, 1), "goes with tensor parallelism in mode 1d of size above 1");
   EXPECT_HAS(refusal([](HybridPlan& p) {
                 p.tp.size = 2;

@@ -120,7 +120,8 @@ void layers(Communicator& world, TensorGrid& g) {
   }
   // Sizes the grid does not divide: errors naming the size, at construction.
   const std::string odd = expect_error([&] { Linear2D(torch::nn::Linear(8, 2 * q + 1), g); });
-  STRATA_CHECK(odd.find("splits the output features (" + std::to_string(2 * q + 1) + ") into") != std::string::npos,
+  const std::string want = "splits the output features (" + std::to_string(2 * q + 1) + ") of a Linear2D into";
+  STRATA_CHECK(odd.find(want) != std::string::npos,
                "a Linear2D of ", 2 * q + 1, " outputs gave: ", odd);
 }
 

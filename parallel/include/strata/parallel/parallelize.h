@@ -25,6 +25,7 @@
 
 #include <torch/torch.h>
 
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -92,6 +93,11 @@ struct ParallelStyle {
 /// submodule two patterns.
 using ParallelPlan = std::vector<std::pair<std::string, ParallelStyle>>;
 
+/// Tensor parallelism's modes: Megatron's 1D split, SUMMA's 2D grid,
+/// Tesseract's 2.5D (a q x q grid at each of `depth` levels) and the 3D cube
+/// (tensor_parallel_2d.h, tensor_parallel_3d.h).
+enum class TensorMode { k1D, k2D, k2_5D, k3D };
+
 struct ParallelizeResult {
   std::vector<std::string> split;  // the submodules split, by name
   int64_t local_params = 0;        // this rank's parameter elements after
@@ -104,5 +110,30 @@ struct ParallelizeResult {
 ParallelizeResult parallelize(torch::nn::Module& module, Communicator& group, const ParallelPlan& plan);
 /// Over the mesh's tensor axis.
 ParallelizeResult parallelize(torch::nn::Module& module, const DeviceMesh& mesh, const ParallelPlan& plan);
+
+/// `plan` in tensor mode `mode` over `group`, which the split parameters'
+/// operators keep alive. Mode 1d is parallelize(module, *group, plan). Modes
+/// 2d, 2.5d (q x q x `depth` ranks) and 3d (d x d x d) split every
+/// activation as well as every weight (docs/tensor_parallel.md), so every
+/// layer of the module runs in the grid's form, with the weights of the
+/// layer modules of tensor_parallel_2d.h and tensor_parallel_3d.h:
+///   - every torch::nn::Linear is named, columnwise or rowwise; in 3d a
+///     columnwise layer takes its input on side A (the residual stream's)
+///     and gives side B, a rowwise one the reverse. `fused` and `gather` as
+///     in 1D: gather gives the whole output on every rank, for a loss every
+///     rank computes alike (its bias stays whole);
+///   - every LayerNorm (with its affine parameters) splits by itself, on
+///     side A in 3d, and is not named;
+///   - an Embedding named vocab_embedding takes the whole batch of ids, the
+///     same on every rank of the group, and looks up this rank's batch block
+///     (q x depth blocks; d^2 in 3d): it is where activations are split. Any
+///     other Embedding looks up its ids as given (positions, broadcast over
+///     the batch);
+///   - any other submodule with parameters of its own, a LayerNorm without
+///     them, and the replicated and sequence_shard styles are refused.
+/// As in 1D, every check runs before anything changes and before any
+/// collective; then the grid's groups are formed (collective over `group`).
+ParallelizeResult parallelize(torch::nn::Module& module, std::shared_ptr<Communicator> group, const ParallelPlan& plan,
+                              TensorMode mode, int depth = 1);
 
 }  // namespace strata::parallel

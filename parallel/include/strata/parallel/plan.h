@@ -33,10 +33,7 @@
 
 namespace strata::parallel {
 
-/// Tensor parallelism's modes: Megatron's 1D split (parallelize() with a
-/// module plan), SUMMA's 2D grid, Tesseract's 2.5D and the 3D cube
-/// (tensor_parallel_2d.h, tensor_parallel_3d.h).
-enum class TensorMode { k1D, k2D, k2_5D, k3D };
+/// TensorMode (parallelize.h) by its config-file name: "1d", "2d", "2.5d", "3d".
 TensorMode parse_tensor_mode(const std::string& name);
 const char* tensor_mode_name(TensorMode mode);
 
