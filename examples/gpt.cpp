@@ -27,10 +27,11 @@
 // Under `strata run -n N` it trains data parallel, each rank on batches of its
 // own, with --zero-stage sharding optimizer state (1), gradients (2) and
 // parameters (3) over the ranks. With --pp P, with --tp and --sp together,
-// or with a plan file (--config, or STRATA_PLAN) it trains the model as
-// layers through parallel::Trainer under one HybridPlan (docs/parallel.md):
-// --pp cuts it into P stages (--schedule gpipe|1f1b|interleaved-1f1b|zb-h1
-// or --pp-schedule, --microbatches M), --tp T splits it in mode 1d, --sp S
+// with --tp-mode 2d, 2.5d or 3d, or with a plan file (--config, or
+// STRATA_PLAN) it trains the model as layers through parallel::Trainer under
+// one HybridPlan (docs/parallel.md): --pp cuts it into P stages (--schedule
+// gpipe|1f1b|interleaved-1f1b|zb-h1 or --pp-schedule, --microbatches M),
+// --tp T splits it (--tp-mode 1d|2d|2.5d [--tp-depth K]|3d), --sp S
 // splits each sequence, and the ranks the axes leave form the data axis
 // (strata run -n 8 -- gpt --pp 2 --tp 2 --sp 2; strata run -n 4 --pp 2: dp 2).
 //
@@ -103,7 +104,7 @@ struct PlanRun {
 };
 
 // This rank's parameters under `plan`: its stages of the balanced cut the
-// trainer makes (an even share for a cut of its own), 1/tp of them.
+// trainer makes (an even share for a cut of its own), its tensor part of them.
 int64_t rank_parameters(torch::nn::Sequential& layers, const strata::parallel::HybridPlan& plan, int pipe_rank) {
   namespace pl = strata::parallel::pipeline;
   int64_t n = 0;
@@ -118,14 +119,15 @@ int64_t rank_parameters(torch::nn::Sequential& layers, const strata::parallel::H
   } else {
     n = strata::examples::count_parameters(*layers) / plan.pp.size;
   }
-  return n / plan.tp.size;
+  // A 2.5d grid keeps each weight block on every depth: 1/(q x q) of it.
+  return n / (plan.tp.mode == strata::parallel::TensorMode::k2_5D ? plan.tp.size / plan.tp.depth : plan.tp.size);
 }
 
 int train_plan(PlanRun a) {
   namespace sp = strata::parallel;
   const sp::Rendezvous rv = sp::Rendezvous::from_env();
   const sp::ModelShape shape{a.mc.dim, a.mc.heads, a.mc.context, a.mc.layers + 2};
-  if (a.plan.tp.size > 1 && a.plan.tp.layers.empty() && a.plan.tp.mode == sp::TensorMode::k1D) {
+  if (a.plan.tp.size > 1 && a.plan.tp.layers.empty()) {  // every mode splits by the same module plan
     a.plan.tp.layers = strata::examples::gpt_layers_tensor_parallel_plan(a.mc, a.plan.tp.sequence_parallel);
   }
   const sp::HybridPlan plan = a.plan.validated(rv.world_size, shape);  // before any communicator
@@ -257,16 +259,16 @@ int run(int argc, char** argv) {
                  "(ranks of strata run -n beyond --tp form the data axis)")
       ->check(CLI::PositiveNumber);
   int tp_depth = 2;
-  app.add_option("--tp-mode", tp_mode, "tensor parallelism: 1d (Megatron's split, through parallelize and a plan), "
-                 "2d (SUMMA over a q x q grid), 2.5d (Tesseract, q x q x --tp-depth) or 3d (a d x d x d cube); 2d, "
-                 "2.5d and 3d build the model from their layers, with an untied output projection")
+  app.add_option("--tp-mode", tp_mode, "tensor parallelism: 1d (Megatron's split), 2d (SUMMA over a q x q grid), "
+                 "2.5d (Tesseract, q x q x --tp-depth) or 3d (a d x d x d cube); 2d, 2.5d and 3d split the model as "
+                 "layers through the plan (an output projection of its own), with --pp too")
       ->check(CLI::IsMember({"1d", "2d", "2.5d", "3d"}));
   app.add_option("--tp-depth", tp_depth, "2.5d: the grid's depth")->check(CLI::PositiveNumber);
   bool tp_sequence = false;
   app.add_flag("--sequence-parallel", tp_sequence, "with --tp-mode 1d: Megatron's sequence parallelism, the norms and "
                "the residual stream on 1/--tp of the positions each");
-  app.add_flag("--untied-head", untied_head, "an output projection of its own, not the token embedding (as --tp-mode "
-               "2d, 2.5d and 3d have; for comparing with them)");
+  app.add_flag("--untied-head", untied_head, "an output projection of its own, not the token embedding (as the "
+               "model as layers has)");
   app.add_flag("--print-losses", print_losses, "print every step's loss (averaged over the ranks) with 8 digits");
   app.add_option("--schedule-steps", schedule_steps,
                  "the schedule's length in steps; 0: --steps (set it to stop early and --resume later on the same schedule)")
@@ -369,19 +371,18 @@ int run(int argc, char** argv) {
     if (schedule == "linear") cfg.schedule = sp::LrSchedule::warmup_linear(warmup, schedule_steps, min_lr_ratio);
     return cfg;
   };
-  // A plan (a file, or the layout flags combining axes): one path for every
-  // combination (train_plan); the data axis alone, 1D tensor parallelism or
-  // sequence parallelism alone, and the 2D/2.5D/3D modes below.
-  if (!config.empty() || std::getenv("STRATA_PLAN") != nullptr || pp > 1 || (tp > 1 && seq_ranks > 1)) {
+  // A plan (a file, or the layout flags combining axes, or a grid tensor
+  // mode): one path for every combination (train_plan); the data axis alone,
+  // 1D tensor parallelism or sequence parallelism alone below.
+  const bool grid_mode = tp > 1 && tp_mode != "1d";
+  if (!config.empty() || std::getenv("STRATA_PLAN") != nullptr || pp > 1 || (tp > 1 && seq_ranks > 1) || grid_mode) {
     STRATA_CHECK(!baseline, "--baseline trains one process with plain LibTorch; drop the layout flags or --config");
-    STRATA_CHECK(tp_mode == "1d", "--tp-mode ", tp_mode, " builds the model from the mode's layers and trains on the "
-                 "data axis alone; with --pp, --sp or --config use --tp-mode 1d");
     STRATA_CHECK(save_every == 0 && resume.empty() && export_weights.empty(), "--save-every, --resume and "
                  "--export-weights are not built for a plan in this example yet; drop them (or train without --pp, "
-                 "--config and --tp with --sp)");
+                 "--config, --tp-mode 2d/2.5d/3d and --tp with --sp)");
     if (!config.empty()) {
-      for (const char* flag : {"--pp", "--tp", "--sp", "--zero-stage", "--microbatches", "--virtual-stages",
-                               "--pp-schedule", "--sp-mode", "--sequence-parallel"}) {
+      for (const char* flag : {"--pp", "--tp", "--tp-mode", "--tp-depth", "--sp", "--zero-stage", "--microbatches",
+                               "--virtual-stages", "--pp-schedule", "--sp-mode", "--sequence-parallel"}) {
         STRATA_CHECK(app.count(flag) == 0, "--config ", config, " gives the layout; drop ", flag);
       }
     }
@@ -392,6 +393,8 @@ int run(int argc, char** argv) {
     base.pp.microbatches = microbatches;
     base.pp.virtual_stages = virtual_stages;
     base.tp.size = tp;
+    base.tp.mode = sp::parse_tensor_mode(tp_mode);
+    base.tp.depth = tp_mode == "2.5d" ? tp_depth : 1;
     base.tp.sequence_parallel = tp_sequence;
     base.sp.size = seq_ranks;
     base.sp.mode = sp::sequence::parse_mode(sp_mode);
@@ -431,9 +434,8 @@ int run(int argc, char** argv) {
   }
   // This rank's positions of a batch [batch, context].
   const auto my_positions = [&](const torch::Tensor& t) { return seq_ranks == 1 ? t : sp_attention->shard(t, 1); };
-  const bool grid_mode = tp > 1 && tp_mode != "1d";
-  STRATA_CHECK(!tp_sequence || (tp > 1 && tp_mode == "1d"), "--sequence-parallel goes with --tp N (N > 1) in mode 1d");
-  mc.tied_head = !(untied_head || grid_mode);
+  STRATA_CHECK(!tp_sequence || tp > 1, "--sequence-parallel goes with --tp N (N > 1) in mode 1d");
+  mc.tied_head = !untied_head;
   torch::manual_seed(0);
   const auto build_start = std::chrono::steady_clock::now();
   Gpt model{nullptr};
@@ -449,41 +451,24 @@ int run(int argc, char** argv) {
   // --tp: the ranks as data x tensor; the model as one process builds it,
   // then each rank keeps its part (parallelize, a plan of Megatron's styles).
   std::shared_ptr<spp::Communicator> tp_world, tp_group, tp_data;
-  std::unique_ptr<spp::TensorGrid> grid;
-  std::unique_ptr<spp::CubeGrid> cube;
-  strata::examples::GptGrid grid_model{nullptr};
   int tp_dp_rank = 0;
   int64_t rank_params = params;
   if (tp > 1) {
     const spp::Rendezvous r0 = spp::Rendezvous::from_env();
     STRATA_CHECK(r0.world_size % tp == 0, "--tp ", tp, " does not divide the ", r0.world_size,
                  " ranks: run strata run -n with a multiple of --tp");
-    STRATA_CHECK(grid_mode || mc.heads % tp == 0, "--tp ", tp, " splits the ", mc.heads,
+    STRATA_CHECK(mc.heads % tp == 0, "--tp ", tp, " splits the ", mc.heads,
                  " heads: use a head count divisible by it");
     tp_world = spp::make_gloo_communicator(r0);
     spp::DeviceMesh mesh = spp::DeviceMesh::create(*tp_world, {r0.world_size / tp, 1, tp, 1});
     tp_dp_rank = mesh.coord(spp::DeviceMesh::kData);
     tp_group = mesh.group(spp::DeviceMesh::kTensor);
     tp_data = mesh.group(spp::DeviceMesh::kData);
-    if (!grid_mode) {
-      rank_params =
-          spp::parallelize(*model, *tp_group, strata::examples::gpt_tensor_parallel_plan(tp_sequence)).local_params;
-    } else {
-      // The layers of the mode, from the one-process model's weights.
-      if (tp_mode == "3d") {
-        cube = std::make_unique<spp::CubeGrid>(*tp_group);
-      } else {
-        grid = std::make_unique<spp::TensorGrid>(*tp_group, tp_mode == "2.5d" ? tp_depth : 1);
-      }
-      grid_model = strata::examples::GptGrid(*model, grid.get(), cube.get());
-      rank_params = strata::examples::count_parameters(*grid_model);
-    }
+    rank_params =
+        spp::parallelize(*model, *tp_group, strata::examples::gpt_tensor_parallel_plan(tp_sequence)).local_params;
   }
-  // What trains: the model, or its 2D or 3D form.
-  torch::nn::Module& trained = grid_model ? static_cast<torch::nn::Module&>(*grid_model) : *model;
-  const auto loss_of = [&](const torch::Tensor& x, const torch::Tensor& y) {
-    return grid_model ? grid_model->loss(x, y) : model->loss(x, y);
-  };
+  torch::nn::Module& trained = *model;
+  const auto loss_of = [&](const torch::Tensor& x, const torch::Tensor& y) { return model->loss(x, y); };
   sp::OptimizerConfig cfg = make_optimizer(trained);
   const uint64_t state =
       static_cast<uint64_t>(rank_params) * sp::model_state_bytes_per_param(opts.precision, cfg.state_count());
@@ -616,8 +601,8 @@ int run(int argc, char** argv) {
   }
   // Sample a line from the trained model (one process, data parallel or 1D
   // tensor parallel: with --sp or --sequence-parallel the growing sequence
-  // would have to split over the group, and 2D/3D models take whole batches).
-  if (seq_ranks == 1 && !grid_model && !tp_sequence && sample_tokens > 0) {
+  // would have to split over the group).
+  if (seq_ranks == 1 && !tp_sequence && sample_tokens > 0) {
     torch::Tensor idx = corpus.slice(0, 0, 8).unsqueeze(0);
     for (int i = 0; i < sample_tokens; ++i) {
       const torch::Tensor ctx = engine->to_device(idx.slice(1, std::max<int64_t>(0, idx.size(1) - mc.context)));

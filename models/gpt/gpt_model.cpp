@@ -13,7 +13,7 @@
 
 namespace strata::examples {
 
-GptBlockImpl::GptBlockImpl(int dim, int heads_) : heads(heads_) {
+GptBlockImpl::GptBlockImpl(int dim, int heads_) : heads(heads_), head_dim(dim / heads_) {
   ln1 = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({dim})));
   ln2 = register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({dim})));
   qkv = register_module("qkv", torch::nn::Linear(dim, 3 * dim));
@@ -40,8 +40,9 @@ torch::Tensor GptBlockImpl::forward(torch::Tensor x, const torch::Tensor& mask) 
   // Heads and positions counted from the tensors: under tensor parallelism
   // (the plan gpt_tensor_parallel_plan) qkv's output holds this rank's heads
   // only, and with sequence parallelism x holds this rank's positions while
-  // qkv's output holds all of them.
-  const int64_t b = x.size(0), hd = x.size(2) / heads;
+  // qkv's output holds all of them. The head width is the model's: in the 2D
+  // and 3D modes x holds a block of the features too.
+  const int64_t b = x.size(0), hd = head_dim;
   auto parts = qkv->forward(ln1->forward(x)).chunk(3, -1);
   auto split = [&](const torch::Tensor& y) { return y.view({b, y.size(1), -1, hd}).transpose(1, 2); };
   torch::Tensor q = split(parts[0]), k = split(parts[1]), v = split(parts[2]);
@@ -176,102 +177,6 @@ torch::nn::Sequential gpt_layers(const GptConfig& c) {
 
 torch::Tensor gpt_loss(const torch::Tensor& logits, const torch::Tensor& y) {
   return torch::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), y.reshape({-1}));
-}
-
-namespace {
-
-// A fused projection's rows reordered so that each of `blocks` contiguous
-// output blocks holds its slice of every part (q, k and v): the 2D and 3D
-// layers split output features in contiguous blocks.
-torch::nn::Linear interleave_parts(const torch::nn::Linear& fused, int parts, int blocks) {
-  const int64_t out = fused->weight.size(0), in = fused->weight.size(1);
-  STRATA_CHECK(out % (parts * blocks) == 0, "the fused projection's ", out, " outputs do not split into ", parts,
-               " parts of ", blocks, " blocks");
-  std::vector<int64_t> order;
-  const int64_t part = out / parts, slice = part / blocks;
-  for (int b = 0; b < blocks; ++b) {
-    for (int p = 0; p < parts; ++p) {
-      for (int64_t r = 0; r < slice; ++r) order.push_back(p * part + b * slice + r);
-    }
-  }
-  const torch::Tensor index = torch::tensor(order, torch::kLong);
-  // Built with the random state put back after: constructing it draws random
-  // numbers, and every later draw (the batches) must be one process's.
-  auto generator = at::detail::getDefaultCPUGenerator();
-  const torch::Tensor state = generator.get_state();
-  torch::nn::Linear copy(torch::nn::LinearOptions(in, out).bias(fused->bias.defined()));
-  generator.set_state(state);
-  torch::NoGradGuard no_grad;
-  copy->weight.copy_(fused->weight.index_select(0, index));
-  if (fused->bias.defined()) copy->bias.copy_(fused->bias.index_select(0, index));
-  return copy;
-}
-
-}  // namespace
-
-GptGridImpl::GptGridImpl(GptImpl& full, strata::parallel::TensorGrid* g, strata::parallel::CubeGrid* c)
-    : grid(g), cube(c), heads(full.config.heads), head_dim(full.config.dim / full.config.heads) {
-  namespace sp = strata::parallel;
-  STRATA_CHECK((g == nullptr) != (c == nullptr), "GptGrid takes a 2D grid or a 3D cube");
-  STRATA_CHECK(!full.config.tied_head, "the 2D and 3D GPT has an output projection of its own; build the "
-               "one-process model with tied_head = false");
-  const int feature_blocks = g ? g->q() : c->d();
-  STRATA_CHECK(heads % feature_blocks == 0, "tensor parallelism over ", feature_blocks, " feature blocks splits the ", heads,
-               " heads: use a head count divisible by it");
-  using sp::Side3D;
-  const auto linear = [&](const torch::nn::Linear& l, Side3D in) {
-    return g ? torch::nn::AnyModule(sp::Linear2D(l, *g)) : torch::nn::AnyModule(sp::Linear3D(l, *c, in));
-  };
-  const auto norm = [&](const torch::nn::LayerNorm& l) {
-    return g ? torch::nn::AnyModule(sp::LayerNorm2D(l, *g)) : torch::nn::AnyModule(sp::LayerNorm3D(l, *c, Side3D::kA));
-  };
-  const auto add = [&](const std::string& name, torch::nn::AnyModule& m) { register_module(name, m.ptr()); };
-  tok = g ? torch::nn::AnyModule(sp::VocabEmbedding2D(full.tok, *g)) : torch::nn::AnyModule(sp::Embedding3D(full.tok, *c, Side3D::kA));
-  pos = g ? torch::nn::AnyModule(sp::Embedding2D(full.pos, *g)) : torch::nn::AnyModule(sp::Embedding3D(full.pos, *c, Side3D::kA));
-  add("tok", tok);
-  add("pos", pos);
-  // Between blocks activations are on side A (3D); qkv and up go to side B, proj and down come back.
-  for (size_t i = 0; i < full.blocks->size(); ++i) {
-    auto* b = full.blocks[i]->as<GptBlockImpl>();
-    Block mine{norm(b->ln1), linear(interleave_parts(b->qkv, 3, feature_blocks), Side3D::kA), linear(b->proj, Side3D::kB),
-               norm(b->ln2), linear(b->up, Side3D::kA), linear(b->down, Side3D::kB)};
-    auto holder = std::make_shared<torch::nn::Module>();  // named as the one-process block's submodules
-    holder->register_module("ln1", mine.ln1.ptr());
-    holder->register_module("qkv", mine.qkv.ptr());
-    holder->register_module("proj", mine.proj.ptr());
-    holder->register_module("ln2", mine.ln2.ptr());
-    holder->register_module("up", mine.up.ptr());
-    holder->register_module("down", mine.down.ptr());
-    block_list->push_back(holder);
-    blocks.push_back(std::move(mine));
-  }
-  register_module("blocks", block_list);
-  ln = norm(full.ln);
-  head = linear(full.head, Side3D::kA);
-  add("ln", ln);
-  add("head", head);
-}
-
-torch::Tensor GptGridImpl::loss(const torch::Tensor& x_all, const torch::Tensor& y_all) {
-  using strata::parallel::Side3D;
-  const torch::Tensor x = grid ? grid->split_batch(x_all) : cube->split_batch(x_all, Side3D::kA);
-  const int64_t t = x.size(1);
-  const torch::Tensor mask = causal_mask(t, x.device());
-  torch::Tensor h = tok.forward(x) + pos.forward(positions_of(t, x.device()));
-  for (Block& blk : blocks) {
-    auto parts = blk.qkv.forward(blk.ln1.forward(h)).chunk(3, -1);  // this rank's heads of q, k and v
-    auto split = [&](const torch::Tensor& y) { return y.reshape({y.size(0), t, -1, head_dim}).transpose(1, 2); };
-    const torch::Tensor q = split(parts[0]), k = split(parts[1]), v = split(parts[2]);
-    torch::Tensor att = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(head_dim));
-    att = torch::softmax(att.masked_fill(mask, -1e4), -1);
-    const torch::Tensor y = torch::matmul(att, v).transpose(1, 2).contiguous();
-    h = h + blk.proj.forward(y.view({y.size(0), t, -1}));
-    h = h + blk.down.forward(torch::gelu(blk.up.forward(blk.ln2.forward(h))));
-  }
-  const torch::Tensor logits = head.forward(ln.forward(h));
-  const torch::Tensor flat = logits.reshape({-1, logits.size(-1)});
-  if (grid) return strata::parallel::cross_entropy_2d(flat, grid->split_batch(y_all).reshape(-1), *grid);
-  return strata::parallel::cross_entropy_3d(flat, cube->split_batch(y_all, Side3D::kB).reshape(-1), *cube, Side3D::kB);
 }
 
 strata::parallel::ParallelPlan gpt_tensor_parallel_plan(bool sequence_parallel) {

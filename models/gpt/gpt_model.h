@@ -10,8 +10,6 @@
 
 #include "strata/parallel/parallelize.h"
 #include "strata/parallel/sequence_parallel.h"
-#include "strata/parallel/tensor_parallel_2d.h"
-#include "strata/parallel/tensor_parallel_3d.h"
 
 namespace strata::examples {
 
@@ -28,7 +26,7 @@ struct GptConfig {
   /// host memory until its backward (strata::parallel::offload_activations).
   bool offload_blocks = false;
   /// The output projection tied to the token embedding (false: a head of its
-  /// own, as the 2D and 3D tensor-parallel model and the pipeline's layers have).
+  /// own, as the model as layers has).
   bool tied_head = true;
   /// Sequence parallelism (examples/gpt --sp): this rank holds some of each
   /// sequence's positions. `attention` replaces the causal softmax attention
@@ -50,6 +48,7 @@ struct GptBlockImpl : torch::nn::Module {
   torch::Tensor forward(torch::Tensor x, const torch::Tensor& mask);
 
   int heads;
+  int64_t head_dim;  // dim / heads
   /// GptConfig::attention, or null.
   std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&)> attention;
   torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
@@ -72,30 +71,6 @@ struct GptImpl : torch::nn::Module {
   torch::nn::Linear head{nullptr};  // untied only
 };
 TORCH_MODULE(Gpt);
-
-/// The same transformer (untied head) split over a 2D or 2.5D TensorGrid, or
-/// a 3D CubeGrid (exactly one of them), from a one-process model's weights:
-/// every rank of the tensor group builds `full` alike, then keeps its parts.
-/// Each rank holds 1/(q^2 d) or 1/d^3 of every activation and weight.
-struct GptGridImpl : torch::nn::Module {
-  GptGridImpl(GptImpl& full, strata::parallel::TensorGrid* grid, strata::parallel::CubeGrid* cube);
-  /// The mean cross-entropy over the whole batch of ids `x` [batch, time]
-  /// and targets `y` (the same on every rank of the tensor group; each rank
-  /// takes its part).
-  torch::Tensor loss(const torch::Tensor& x, const torch::Tensor& y);
-
-  strata::parallel::TensorGrid* grid;
-  strata::parallel::CubeGrid* cube;
-  int heads, head_dim;
-  torch::nn::AnyModule tok, pos, ln;
-  torch::nn::AnyModule head;
-  struct Block {
-    torch::nn::AnyModule ln1, qkv, proj, ln2, up, down;
-  };
-  std::vector<Block> blocks;
-  torch::nn::ModuleList block_list;
-};
-TORCH_MODULE(GptGrid);
 
 /// The same transformer as a torch::nn::Sequential of layers for pipeline
 /// parallelism (strata::parallel::pipeline): embedding (tokens and
