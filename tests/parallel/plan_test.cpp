@@ -155,12 +155,12 @@ TEST(HybridPlan, EveryRefusalSaysWhatToChange) {
                 p.tp.size = 4;
                 p.tp.mode = TensorMode::k2D;
                 p.tp.layers = {{"fc", ParallelStyle::columnwise()}, {"ln", ParallelStyle::sequence_shard()}};
-              }, 4), "gives \"ln\" the style sequence_shard(dim=0); in mode 2d every activation is split");
+              }, 4), "give \"ln\" the style sequence_shard(dim=0); in mode 2d every activation is split");
   EXPECT_HAS(refusal([](HybridPlan& p) {
                 p.tp.size = 8;
                 p.tp.mode = TensorMode::k3D;
                 p.tp.layers = {{"fc", ParallelStyle::replicated()}};
-              }, 8), "gives \"fc\" the style replicated; in mode 3d");
+              }, 8), "give \"fc\" the style replicated; in mode 3d");
   EXPECT_HAS(refusal([](HybridPlan& p) {
                 p.tp.size = 4;
                 p.tp.mode = TensorMode::k2D;
