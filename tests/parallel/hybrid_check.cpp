@@ -139,7 +139,7 @@ std::string layers_json(bool seq) {
 }
 
 struct Args {
-  int dp = 1, pp = 1, tp = 1, sp = 1, zero = 0, microbatches = 0, steps = 6, depth = 1, batch = 4;
+  int dp = 1, pp = 1, tp = 1, sp = 1, zero = 0, microbatches = 0, steps = 10, depth = 1, batch = 4;
   std::string schedule = "1f1b", sp_mode = "ring-attention", tp_mode = "1d";
   bool sequence_parallel = false;
   double host_fraction = 0.0;  // 0: everything resident; else host budget = fraction x model state
