@@ -59,11 +59,82 @@ std::string shape_string(const Header& h) {
   return s + "] " + std::string(c10::toString(static_cast<torch::ScalarType>(h.dtype)));
 }
 
-// Tags: three per (stage that sent it, microbatch): an activation's header,
-// the activation, and the gradient going back.
+// Note [Tuples between stages]
+// A stage's output may be one tensor or several: a std::vector<torch::Tensor>,
+// or a std::tuple of two or three tensors (hidden state with positions or a
+// mask), which the next stage's first layer takes as its argument. Each part
+// travels on its own tag with its own header; the value is rebuilt in the
+// sender's type. Floating parts get gradients back (zeros where the receiving
+// stage did not use them); other parts (ids, positions, boolean masks) carry
+// none.
+enum class Kind : int64_t { kTensor = 0, kVector = 1, kTuple2 = 2, kTuple3 = 3 };
+constexpr int kMaxParts = 8;
+struct Manifest {
+  int64_t kind = 0;
+  int64_t count = 0;
+  Header parts[kMaxParts];
+};
+
+bool same(const Manifest& a, const Manifest& b) {
+  if (a.kind != b.kind || a.count != b.count) return false;
+  for (int64_t i = 0; i < a.count; ++i) {
+    if (!same(a.parts[i], b.parts[i])) return false;
+  }
+  return true;
+}
+
+std::string shape_string(const Manifest& m) {
+  if (m.kind == static_cast<int64_t>(Kind::kTensor)) return shape_string(m.parts[0]);
+  std::string s = "(";
+  for (int64_t i = 0; i < m.count; ++i) s += (i ? ", " : "") + shape_string(m.parts[i]);
+  return s + ")";
+}
+
+// A stage's value: its parts, and the type they came in.
+struct Value {
+  Kind kind = Kind::kTensor;
+  std::vector<torch::Tensor> parts;
+};
+
+Value value_of(torch::nn::AnyValue v, int stage) {
+  if (auto* t = v.try_get<torch::Tensor>()) return {Kind::kTensor, {*t}};
+  if (auto* l = v.try_get<std::vector<torch::Tensor>>()) {
+    STRATA_CHECK(!l->empty() && l->size() <= static_cast<size_t>(kMaxParts), "stage ", stage, "'s output is a vector "
+                 "of ", l->size(), " tensors; between 1 and ", kMaxParts, " travel between stages");
+    return {Kind::kVector, *l};
+  }
+  if (auto* t2 = v.try_get<std::tuple<torch::Tensor, torch::Tensor>>()) {
+    return {Kind::kTuple2, {std::get<0>(*t2), std::get<1>(*t2)}};
+  }
+  if (auto* t3 = v.try_get<std::tuple<torch::Tensor, torch::Tensor, torch::Tensor>>()) {
+    return {Kind::kTuple3, {std::get<0>(*t3), std::get<1>(*t3), std::get<2>(*t3)}};
+  }
+  STRATA_FAIL("stage ", stage, "'s output is of a type that cannot pass between stages (", v.type_info().name(),
+              "): return a torch::Tensor, a std::vector<torch::Tensor> or a std::tuple of two or three tensors");
+}
+
+torch::nn::AnyValue any_of(const Value& v) {
+  switch (v.kind) {
+    case Kind::kTensor: return torch::nn::AnyValue(v.parts[0]);
+    case Kind::kVector: return torch::nn::AnyValue(v.parts);
+    case Kind::kTuple2: return torch::nn::AnyValue(std::make_tuple(v.parts[0], v.parts[1]));
+    case Kind::kTuple3: return torch::nn::AnyValue(std::make_tuple(v.parts[0], v.parts[1], v.parts[2]));
+  }
+  return torch::nn::AnyValue(v.parts[0]);
+}
+
+// Runs a stage's layers in order (Sequential::forward, for any value between them).
+torch::nn::AnyValue run_layers(torch::nn::Sequential& seq, torch::nn::AnyValue in) {
+  for (auto& layer : *seq) in = layer.any_forward(std::move(in));
+  return in;
+}
+
+// Tags: three per (stage that sent it, microbatch, part): an activation's
+// manifest (part 0), the activation, and the gradient going back.
 enum class Item { kHeader = 0, kActivation = 1, kGradient = 2 };
-uint32_t tag_of(int stage, int mb, int m, Item item) {
-  return static_cast<uint32_t>(((static_cast<int64_t>(stage) * m + mb) * 3 + static_cast<int>(item)) & 0x7fffffff);
+uint32_t tag_of(int stage, int mb, int m, Item item, int part = 0) {
+  const int64_t base = (static_cast<int64_t>(stage) * m + mb) * 3 + static_cast<int>(item);
+  return static_cast<uint32_t>((base * kMaxParts + part) & 0x7fffffff);
 }
 
 // This rank's stages as one module to attach.
@@ -89,14 +160,15 @@ struct Pipeline::Impl {
   };
   // A microbatch's state on one of this rank's stages, from forward to its last backward pass.
   struct Pass {
-    torch::Tensor input;   // the received activation (a leaf needing grad) or the microbatch itself
-    torch::Tensor output;  // the stage's output (kept for backward), or the weighted, scaled loss
+    Value input;   // the received activation (floating parts leaves needing grad) or the microbatch itself
+    Value output;  // the stage's output (kept for backward), or the weighted, scaled loss
     std::optional<SplitBackward> split;
   };
-  struct Pending {  // a receive posted ahead
+  struct Pending {  // a receive posted ahead: one buffer per part (per floating part for gradients)
     int stage, mb;
-    torch::Tensor buffer;
-    WorkHandle work;
+    Kind kind = Kind::kTensor;
+    std::vector<torch::Tensor> buffers;
+    std::vector<WorkHandle> works;
   };
 
   std::shared_ptr<Communicator> group;
@@ -116,8 +188,8 @@ struct Pipeline::Impl {
   // Note [Pipeline links]: the shapes that went ahead for this batch
   // signature; a header travels for exactly the items missing here.
   std::vector<double> signature;
-  std::map<std::pair<int, int>, Header> act_shapes;    // (stage the activation enters, mb): received
-  std::map<std::pair<int, int>, Header> sent_shapes;   // (stage that produced it, mb): sent
+  std::map<std::pair<int, int>, Manifest> act_shapes;    // (stage the activation enters, mb): received
+  std::map<std::pair<int, int>, Manifest> sent_shapes;   // (stage that produced it, mb): sent
   std::vector<std::pair<WorkHandle, torch::Tensor>> sends;
   std::deque<std::pair<int, int>> act_order, grad_order;  // receives still to come this step, in order
   std::optional<Pending> act_ahead, grad_ahead;
@@ -186,21 +258,33 @@ struct Pipeline::Impl {
     bytes += static_cast<int64_t>(n);
   }
 
-  void send_activation(int stage, int mb, const torch::Tensor& y) {
-    STRATA_CHECK(y.is_floating_point(), "stage ", stage, "'s output is ", y.scalar_type(),
-                 ": what passes between stages must be a floating tensor, to carry gradients back");
-    const Header h = header_of(y, stage);
+  // Note [Tuples between stages].
+  void send_activation(int stage, int mb, const Value& y) {
+    bool floating = false;
+    for (const torch::Tensor& t : y.parts) {
+      STRATA_CHECK(t.defined(), "stage ", stage, "'s output has an undefined tensor");
+      floating = floating || t.is_floating_point();
+    }
+    STRATA_CHECK(floating, "stage ", stage, "'s output is ",
+                 y.kind == Kind::kTensor ? std::string(c10::toString(y.parts[0].scalar_type())) : "tensors none of which are floating",
+                 ": what passes between stages must hold a floating tensor, to carry gradients back");
+    Manifest h;
+    h.kind = static_cast<int64_t>(y.kind);
+    h.count = static_cast<int64_t>(y.parts.size());
+    for (size_t i = 0; i < y.parts.size(); ++i) h.parts[i] = header_of(y.parts[i], stage);
     auto known = sent_shapes.find({stage, mb});
     if (known != sent_shapes.end()) {
       STRATA_CHECK(same(known->second, h), "stage ", stage, "'s output for microbatch ", mb, " is ",
                    shape_string(h), " where the same batch shape gave ", shape_string(known->second),
                    " before: a stage's output shape must follow from the batch's");
     } else {
-      auto hb = torch::from_blob(const_cast<Header*>(&h), {static_cast<int64_t>(sizeof(Header))}, torch::kUInt8).clone();
+      auto hb = torch::from_blob(&h, {static_cast<int64_t>(sizeof(Manifest))}, torch::kUInt8).clone();
       send(out_act, hb, tag_of(stage, mb, m, Item::kHeader));
       sent_shapes[{stage, mb}] = h;
     }
-    send(out_act, y.detach(), tag_of(stage, mb, m, Item::kActivation));
+    for (size_t i = 0; i < y.parts.size(); ++i) {
+      send(out_act, y.parts[i].detach(), tag_of(stage, mb, m, Item::kActivation, static_cast<int>(i)));
+    }
   }
 
   // Posts the next receive on a channel when its shape is known.
@@ -209,7 +293,7 @@ struct Pipeline::Impl {
     std::deque<std::pair<int, int>>& order = grad ? grad_order : act_order;
     if (ahead || order.empty()) return;
     const auto [stage, mb] = order.front();
-    Header h;
+    Manifest h;
     if (grad) {
       auto it = sent_shapes.find({stage - 1, mb});  // the activation this rank sent
       if (it == sent_shapes.end()) return;
@@ -220,22 +304,32 @@ struct Pipeline::Impl {
       h = it->second;
     }
     Channel& c = grad ? out_grad : in_act;
-    Pending pend{stage, mb, empty_of(h), nullptr};
-    pend.work = c.comm->recv(pend.buffer.data_ptr(), pend.buffer.nbytes(), c.peer,
-                             grad ? tag_of(stage, mb, m, Item::kGradient) : tag_of(stage - 1, mb, m, Item::kActivation));
+    Pending pend{stage, mb, static_cast<Kind>(h.kind), {}, {}};
+    for (int i = 0; i < h.count; ++i) {
+      const torch::Tensor buffer = empty_of(h.parts[i]);
+      if (grad && !buffer.is_floating_point()) continue;  // no gradient for ids, positions, masks
+      pend.buffers.push_back(buffer);
+      pend.works.push_back(c.comm->recv(buffer.data_ptr(), buffer.nbytes(), c.peer,
+                                        grad ? tag_of(stage, mb, m, Item::kGradient, i)
+                                             : tag_of(stage - 1, mb, m, Item::kActivation, i)));
+    }
     order.pop_front();
     ahead = std::move(pend);
   }
 
-  torch::Tensor take(bool grad, int stage, int mb) {
+  // The activation entering `stage` (all its parts), or the gradients of
+  // the floating parts of the one this rank sent into it.
+  Value take(bool grad, int stage, int mb) {
     std::optional<Pending>& ahead = grad ? grad_ahead : act_ahead;
     if (!ahead) {
       if (!grad && !act_shapes.count({stage, mb})) {
-        Header h;
+        Manifest h;
         const auto t0 = Clock::now();
-        in_act.comm->recv(&h, sizeof(Header), in_act.peer, tag_of(stage - 1, mb, m, Item::kHeader))->wait();
+        in_act.comm->recv(&h, sizeof(Manifest), in_act.peer, tag_of(stage - 1, mb, m, Item::kHeader))->wait();
         waited += seconds_since(t0);
-        STRATA_CHECK(h.ndim >= 0 && h.ndim <= kMaxDims, "a corrupt activation header from rank ", (r + p - 1) % p);
+        bool sane = h.kind >= 0 && h.kind <= static_cast<int64_t>(Kind::kTuple3) && h.count >= 1 && h.count <= kMaxParts;
+        for (int64_t i = 0; sane && i < h.count; ++i) sane = h.parts[i].ndim >= 0 && h.parts[i].ndim <= kMaxDims;
+        STRATA_CHECK(sane, "a corrupt activation header from rank ", (r + p - 1) % p);
         act_shapes[{stage, mb}] = h;
       }
       post_ahead(grad);
@@ -246,7 +340,7 @@ struct Pipeline::Impl {
     ahead.reset();
     const auto t0 = Clock::now();
     try {
-      got.work->wait();
+      for (WorkHandle& w : got.works) w->wait();
     } catch (const std::exception& e) {
       STRATA_FAIL("pipeline rank ", r, " (stage ", grad ? stage - 1 : stage, ") waiting for the ",
                   grad ? "gradient" : "activation", " of microbatch ", mb, " from pipeline rank ",
@@ -254,7 +348,7 @@ struct Pipeline::Impl {
     }
     waited += seconds_since(t0);
     post_ahead(grad);
-    return got.buffer;
+    return {got.kind, std::move(got.buffers)};
   }
 
   // --- the actions ---------------------------------------------------------
@@ -268,34 +362,48 @@ struct Pipeline::Impl {
   void forward(int s, int mb, std::vector<torch::Tensor>* outputs) {
     Pass pass;
     if (first_stage(s)) {
-      pass.input = micro_inputs[mb];
+      torch::Tensor x = micro_inputs[mb];
       // Inputs that need a gradient: the first stage runs an input pass like the others; the gradient is dropped.
-      if (training && pass.input.requires_grad()) pass.input = pass.input.detach().requires_grad_(true);
+      if (training && x.requires_grad()) x = x.detach().requires_grad_(true);
+      pass.input = {Kind::kTensor, {x}};
     } else {
       pass.input = take(false, s, mb);
-      if (training) pass.input.requires_grad_(true);
+      if (training) {
+        for (torch::Tensor& t : pass.input.parts) {
+          if (t.is_floating_point()) t.requires_grad_(true);
+        }
+      }
     }
-    torch::Tensor y = stage_modules.at(s)->forward(pass.input);
+    Value y = value_of(run_layers(stage_modules.at(s), any_of(pass.input)), s);
     if (last_stage(s)) {
+      STRATA_CHECK(y.kind == Kind::kTensor, "the last stage's output is ", y.parts.size(), " tensors; it must be one "
+                   "tensor, the loss function's and evaluation's");
       if (!training) {
-        outputs->push_back(y);
+        outputs->push_back(y.parts[0]);
         return;
       }
-      torch::Tensor loss = (*loss_fn)(y, micro_targets[mb]);
+      torch::Tensor loss = (*loss_fn)(y.parts[0], micro_targets[mb]);
       STRATA_CHECK(loss.defined() && loss.numel() == 1, "the pipeline's loss function must return one number");
       losses[mb] = loss.item<double>() * weights[mb];
-      pass.output = loss.to(torch::kFloat32) * (weights[mb] * loss_scale);
+      pass.output = {Kind::kTensor, {loss.to(torch::kFloat32) * (weights[mb] * loss_scale)}};
     } else {
       send_activation(s, mb, y);
-      pass.output = y;
+      pass.output = std::move(y);
     }
     if (training) passes[{s, mb}] = std::move(pass);
   }
 
-  void send_input_grad(int s, int mb, const Pass& pass, torch::Tensor g) {
+  // The gradient of each floating part of the stage's input, zeros where
+  // the output did not depend on it.
+  void send_input_grads(int s, int mb, const Pass& pass, const std::vector<torch::Tensor>& grads) {
     if (first_stage(s)) return;
-    if (!g.defined()) g = torch::zeros_like(pass.input);  // the output did not depend on the input
-    send(in_grad, g.detach(), tag_of(s, mb, m, Item::kGradient));
+    for (size_t i = 0; i < pass.input.parts.size(); ++i) {
+      const torch::Tensor& x = pass.input.parts[i];
+      if (!x.is_floating_point()) continue;
+      torch::Tensor g = i < grads.size() ? grads[i] : torch::Tensor();
+      if (!g.defined()) g = torch::zeros_like(x);
+      send(in_grad, g.detach(), tag_of(s, mb, m, Item::kGradient, static_cast<int>(i)));
+    }
   }
 
   void backward(const Action& a) {
@@ -308,15 +416,34 @@ struct Pipeline::Impl {
       passes.erase(it);
       return;
     }
-    torch::Tensor grad = last_stage(s) ? torch::ones_like(pass.output) : take(true, s + 1, mb);
+    // The outputs that carry gradients back, with theirs: the loss, or the
+    // floating parts of the activation (received in that order).
+    std::vector<torch::Tensor> outs, grads;
+    if (last_stage(s)) {
+      outs = pass.output.parts;
+      grads = {torch::ones_like(pass.output.parts[0])};
+    } else {
+      const Value got = take(true, s + 1, mb);
+      size_t k = 0;
+      for (const torch::Tensor& y : pass.output.parts) {
+        if (!y.is_floating_point()) continue;
+        STRATA_CHECK(k < got.parts.size(), "internal: fewer gradients than floating outputs at stage ", s);
+        if (y.requires_grad()) {
+          outs.push_back(y);
+          grads.push_back(got.parts[k]);
+        }
+        ++k;
+      }
+    }
     if (a.kind == ActionKind::kBackwardInput) {
       pass.split.emplace();
-      torch::Tensor gx = pass.split->input_pass(pass.output, grad, pass.input);
-      send_input_grad(s, mb, pass, gx);
+      send_input_grads(s, mb, pass, pass.split->input_pass(outs, grads, pass.input.parts));
       return;
     }
-    torch::autograd::backward({pass.output}, {grad});
-    send_input_grad(s, mb, pass, first_stage(s) ? torch::Tensor() : pass.input.grad());
+    if (!outs.empty()) torch::autograd::backward(outs, grads);
+    std::vector<torch::Tensor> gx;
+    for (const torch::Tensor& x : pass.input.parts) gx.push_back(x.requires_grad() ? x.grad() : torch::Tensor());
+    send_input_grads(s, mb, pass, gx);
     passes.erase(it);
   }
 

@@ -32,11 +32,14 @@ namespace strata::parallel::pipeline {
 
 class SplitBackward {
  public:
-  /// The input pass: the gradient of `input` (a leaf; undefined or not
-  /// requiring grad: nothing) from `output` with gradient `grad`. Returns
-  /// the input's gradient (undefined when it has none) and keeps the
-  /// captured gradients for weight_pass().
-  torch::Tensor input_pass(const torch::Tensor& output, const torch::Tensor& grad, const torch::Tensor& input);
+  /// The input pass: the gradients of `inputs` (leaves; one undefined or
+  /// not requiring grad gets none) from `outputs` with gradients `grads`.
+  /// Returns each input's gradient (undefined when it has none) and keeps
+  /// the captured gradients for weight_pass(). A stage passing a tuple of
+  /// tensors has several of each.
+  std::vector<torch::Tensor> input_pass(const std::vector<torch::Tensor>& outputs,
+                                        const std::vector<torch::Tensor>& grads,
+                                        const std::vector<torch::Tensor>& inputs);
   /// The weight pass: accumulates the parameters' gradients; frees the graph.
   void weight_pass();
 
@@ -48,9 +51,9 @@ class SplitBackward {
     torch::autograd::edge_list off_chain;
   };
   std::vector<WeightNode> nodes_;
-  // Without a chain: the whole backward from the output.
-  torch::autograd::Edge whole_;
-  torch::Tensor whole_grad_;
+  // Without a chain: the whole backward from the outputs.
+  torch::autograd::edge_list whole_;
+  torch::autograd::variable_list whole_grads_;
   bool pending_ = false;
 };
 

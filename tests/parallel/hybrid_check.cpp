@@ -5,7 +5,7 @@
 //
 //   hybrid_check [--dp D] [--pp P] [--tp T] [--tp-mode 1d|2d|2.5d|3d] [--depth K]
 //                [--sp S] [--zero Z] [--schedule S] [--microbatches M] [--sp-mode M]
-//                [--sequence-parallel] [--host-fraction F] [--steps N] [--batch B]
+//                [--sequence-parallel] [--host-fraction F] [--steps N] [--batch B] [--tuple]
 //
 // Each step's loss must equal the reference's, every parameter this rank
 // holds must equal its part of the reference's after the last step, and the
@@ -34,11 +34,12 @@ using namespace strata::parallel;
 constexpr int64_t kVocab = 32, kDim = 16, kHeads = 4, kContext = 16;
 
 // Plain causal attention (the reference), or the plan's sequence attention.
+// `mask`: the causal mask a tuple of layers carries (--tuple), else made here.
 torch::Tensor attend(sequence::Attention a, const torch::Tensor& q, const torch::Tensor& k,
-                     const torch::Tensor& v) {
+                     const torch::Tensor& v, torch::Tensor mask = {}) {
   if (a) return a->forward(q, k, v);
   const int64_t t = q.size(2);
-  const torch::Tensor mask = torch::ones({t, t}, torch::kBool).triu(1);
+  if (!mask.defined()) mask = torch::ones({t, t}, torch::kBool).triu(1);
   torch::Tensor s = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(q.size(3)));
   return torch::matmul(torch::softmax(s.masked_fill(mask, -1e9), -1), v);
 }
@@ -71,14 +72,15 @@ struct BlockImpl : torch::nn::Module {
     down = register_module("down", torch::nn::Linear(4 * kDim, kDim));
     if (attention) register_module("attention", attention);
   }
-  torch::Tensor forward(torch::Tensor x) {
+  torch::Tensor forward(torch::Tensor x) { return run(std::move(x), {}); }
+  torch::Tensor run(torch::Tensor x, const torch::Tensor& mask) {
     // Heads and positions from the tensors: tensor parallelism leaves this
     // rank's heads in qkv's output, Megatron's sequence parallelism this
     // rank's positions in x.
     const int64_t b = x.size(0), hd = kDim / kHeads;
     auto parts = qkv->forward(ln1->forward(x)).chunk(3, -1);
     auto split = [&](const torch::Tensor& y) { return y.reshape({b, y.size(1), -1, hd}).transpose(1, 2); };
-    const torch::Tensor y = attend(attention, split(parts[0]), split(parts[1]), split(parts[2]));
+    const torch::Tensor y = attend(attention, split(parts[0]), split(parts[1]), split(parts[2]), mask);
     x = x + proj->forward(y.transpose(1, 2).reshape({b, y.size(2), -1}));
     return x + down->forward(torch::gelu(up->forward(ln2->forward(x))));
   }
@@ -99,9 +101,45 @@ struct HeadImpl : torch::nn::Module {
 };
 TORCH_MODULE(Head);
 
-torch::nn::Sequential make_model(const sequence::Attention& a) {
+// --tuple: the same layers (the same parameters, names and initialisation)
+// passing a std::vector of three tensors between them, as real models pass a
+// mask or positions beside the hidden state: the hidden state, a second
+// floating stream that carries gradients back, and the causal mask (bool, no
+// gradient) that the embedding makes once and every block uses.
+struct TupleEmbedImpl : EmbedImpl {
+  using EmbedImpl::EmbedImpl;
+  std::vector<torch::Tensor> forward(const torch::Tensor& idx) {
+    const torch::Tensor h = EmbedImpl::forward(idx);
+    const int64_t t = idx.size(1);
+    return {h, 0.5 * h, torch::ones({t, t}, torch::kBool).triu(1)};
+  }
+};
+TORCH_MODULE(TupleEmbed);
+
+struct TupleBlockImpl : BlockImpl {
+  using BlockImpl::BlockImpl;
+  std::vector<torch::Tensor> forward(std::vector<torch::Tensor> v) {
+    const torch::Tensor h = BlockImpl::run(v[0] + 0.1 * v[1], v[2]);
+    return {h, 0.9 * v[1] + 0.1 * h, v[2]};
+  }
+};
+TORCH_MODULE(TupleBlock);
+
+struct TupleHeadImpl : HeadImpl {
+  torch::Tensor forward(std::vector<torch::Tensor> v) { return HeadImpl::forward(v[0] + v[1]); }
+};
+TORCH_MODULE(TupleHead);
+
+torch::nn::Sequential make_model(const sequence::Attention& a, bool tuple = false) {
   torch::manual_seed(7);
   torch::nn::Sequential s;
+  if (tuple) {
+    s->push_back(TupleEmbed(a));
+    s->push_back(TupleBlock(a));
+    s->push_back(TupleBlock(a));
+    s->push_back(TupleHead());
+    return s;
+  }
   s->push_back(Embed(a));
   s->push_back(Block(a));
   s->push_back(Block(a));
@@ -141,7 +179,7 @@ std::string layers_json(bool seq) {
 struct Args {
   int dp = 1, pp = 1, tp = 1, sp = 1, zero = 0, microbatches = 0, steps = 10, depth = 1, batch = 4;
   std::string schedule = "1f1b", sp_mode = "ring-attention", tp_mode = "1d";
-  bool sequence_parallel = false;
+  bool sequence_parallel = false, tuple = false;
   double host_fraction = 0.0;  // 0: everything resident; else host budget = fraction x model state
   std::string refuse;          // a Trainer refusal to provoke (refusals())
 };
@@ -282,10 +320,13 @@ int run(const Args& a) {
   shape.layers = 4;
   const HybridPlan plan = HybridPlan::from_json(json, "hybrid_check's plan").validated(r.world_size, shape);
   DeviceMesh mesh = DeviceMesh::create(make_gloo_communicator(r), plan.dims());
-  const std::string label = plan.describe() + (a.host_fraction > 0 ? ", offload" : "");
+  const std::string label =
+      plan.describe() + (a.host_fraction > 0 ? ", offload" : "") + (a.tuple ? ", tuples between layers" : "");
+  STRATA_CHECK(!a.tuple || (plan.sp.size == 1 && !plan.tp.sequence_parallel), "--tuple: the layers' mask is for "
+               "whole sequences; drop --sp and --sequence-parallel");
 
-  torch::nn::Sequential reference = make_model(nullptr);
-  torch::nn::Sequential model = make_model(sequence_attention(mesh, plan));
+  torch::nn::Sequential reference = make_model(nullptr, a.tuple);
+  torch::nn::Sequential model = make_model(sequence_attention(mesh, plan), a.tuple);
   int64_t params = 0;
   for (const auto& p : model->parameters()) params += p.numel();
   EngineOptions o;
@@ -398,6 +439,7 @@ int main(int argc, char** argv) {
     else if (arg == "--microbatches") a.microbatches = std::stoi(next());
     else if (arg == "--sp-mode") a.sp_mode = next();
     else if (arg == "--sequence-parallel") a.sequence_parallel = true;
+    else if (arg == "--tuple") a.tuple = true;
     else if (arg == "--host-fraction") a.host_fraction = std::stod(next());
     else if (arg == "--steps") a.steps = std::stoi(next());
     else if (arg == "--refuse") a.refuse = next();

@@ -149,7 +149,9 @@ TEST(SplitBackward, InputThenWeightPassEqualsTheFullBackward) {
   torch::Tensor y = split.forward(xs);
   CountingIdentity::calls = 0;
   pp::SplitBackward sb;
-  const torch::Tensor gx = sb.input_pass(y, g, xs);
+  const std::vector<torch::Tensor> gxs = sb.input_pass({y}, {g}, {xs});
+  ASSERT_EQ(gxs.size(), 1u);
+  const torch::Tensor gx = gxs[0];
   EXPECT_EQ(CountingIdentity::calls, 1);
   for (const auto& p : split.parameters()) EXPECT_FALSE(p.grad().defined()) << "the input pass computed a weight gradient";
   ASSERT_TRUE(gx.defined());
@@ -171,12 +173,53 @@ TEST(SplitBackward, AFirstStageDefersItsWholeBackward) {
   torch::autograd::backward({full.forward(x)}, {g});
   torch::Tensor y = split.forward(x);
   pp::SplitBackward sb;
-  EXPECT_FALSE(sb.input_pass(y, g, x).defined());
+  EXPECT_FALSE(sb.input_pass({y}, {g}, {x}).at(0).defined());
   for (const auto& p : split.parameters()) EXPECT_FALSE(p.grad().defined());
   sb.weight_pass();
   auto want = full.named_parameters();
   for (const auto& item : split.named_parameters()) {
     EXPECT_TRUE(torch::allclose(item.value().grad(), want[item.key()].grad(), 1e-6, 1e-6)) << item.key();
+  }
+}
+
+// A stage of two inputs and three outputs (Note [Tuples between stages]):
+// one output from both inputs, one from the second alone, one from neither
+// (a parameter's own function), and an integer input with no gradient.
+TEST(SplitBackward, SeveralInputsAndOutputsEqualTheFullBackward) {
+  torch::manual_seed(2);
+  const torch::Tensor x0 = torch::randn({4, 8}), z0 = torch::randn({4, 8});
+  const torch::Tensor g1 = torch::randn({4, 8}), g2 = torch::randn({4, 8}), g3 = torch::randn({8, 8});
+  const torch::Tensor ids = torch::randint(0, 4, {4});
+  struct Two {
+    torch::nn::Linear a{8, 8}, b{8, 8};
+    std::vector<torch::Tensor> forward(const torch::Tensor& x, const torch::Tensor& z, const torch::Tensor& i) {
+      const torch::Tensor picked = z.index_select(0, i);
+      return {torch::tanh(a->forward(x)) * b->forward(z), b->forward(picked), a->weight * 2.0};
+    }
+    std::vector<torch::Tensor> params() { return {a->weight, a->bias, b->weight, b->bias}; }
+  };
+  torch::manual_seed(3);
+  Two full;
+  torch::manual_seed(3);
+  Two split;
+  torch::Tensor x = x0.clone().requires_grad_(true), z = z0.clone().requires_grad_(true);
+  const std::vector<torch::Tensor> yf = full.forward(x, z, ids);
+  torch::autograd::backward(yf, {g1, g2, g3});
+  torch::Tensor xs = x0.clone().requires_grad_(true), zs = z0.clone().requires_grad_(true);
+  const std::vector<torch::Tensor> ys = split.forward(xs, zs, ids);
+  pp::SplitBackward sb;
+  const std::vector<torch::Tensor> gx = sb.input_pass(ys, {g1, g2, g3}, {xs, zs, ids});
+  ASSERT_EQ(gx.size(), 3u);
+  EXPECT_FALSE(gx[2].defined()) << "an integer input got a gradient";
+  ASSERT_TRUE(gx[0].defined() && gx[1].defined());
+  EXPECT_TRUE(torch::allclose(gx[0], x.grad(), 1e-6, 1e-6));
+  EXPECT_TRUE(torch::allclose(gx[1], z.grad(), 1e-6, 1e-6));
+  for (const torch::Tensor& p : split.params()) EXPECT_FALSE(p.grad().defined()) << "the input pass computed a weight gradient";
+  sb.weight_pass();
+  const std::vector<torch::Tensor> want = full.params(), got = split.params();
+  for (size_t k = 0; k < want.size(); ++k) {
+    ASSERT_TRUE(got[k].grad().defined()) << "parameter " << k;
+    EXPECT_TRUE(torch::allclose(got[k].grad(), want[k].grad(), 1e-6, 1e-6)) << "parameter " << k;
   }
 }
 

@@ -8,7 +8,13 @@
 //   pipe.attach(optimizer, options, dp_group);        // this rank's stages, its budgets
 //   for (...) pipe.step(tokens, targets, loss_fn);    // every rank, every step
 //
-// A stage is a torch::nn::Sequential: one tensor in, one tensor out. The
+// A stage is a torch::nn::Sequential. Between stages a value is one tensor
+// or several: a layer may return a std::vector<torch::Tensor> or a std::tuple
+// of two or three tensors (hidden state with positions or a mask), which the
+// next layer takes as its argument, on this rank or the next stage's
+// (Note [Tuples between stages] in pipeline.cpp); floating parts carry
+// gradients back, others (ids, positions, boolean masks) none. The model's
+// input and its last stage's output are one tensor each. The
 // first stage gets the microbatches of `inputs` (split along dimension 0),
 // the last applies `loss_fn(output, targets)` (its loss a mean over the
 // microbatch), weighted by the microbatch's share of the batch, so the step's

@@ -63,10 +63,11 @@ class Trainer {
   using LossFn = std::function<torch::Tensor(const torch::Tensor& output, const torch::Tensor& target)>;
   /// Applies `plan` (validated again against the mesh; its dims must be the
   /// mesh's) to `model`. Refuses, before any collective: sequence
-  /// parallelism without the plan's sequence_attention in the model, tensor
-  /// parallelism in mode 1d without a module plan, and the grid modes (2d,
-  /// 2.5d, 3d), whose models are built from their layers
-  /// (tensor_parallel_2d.h, tensor_parallel_3d.h) and attached directly.
+  /// parallelism without the plan's sequence_attention in the model, and
+  /// tensor parallelism without a module plan. Every tensor mode splits the
+  /// unmodified model by the plan's module plan (parallelize()); in the grid
+  /// modes (2d, 2.5d, 3d) so do its LayerNorms, and every Linear must be named.
+  /// Layers may pass a tuple of tensors between them (pipeline.h).
   /// `model` is the whole model, the same on every rank; a module that is no
   /// Sequential goes in as torch::nn::Sequential(module) (no pipeline then).
   /// The optimizer's groups select parameters by the model's names, under a
