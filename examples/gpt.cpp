@@ -24,16 +24,19 @@
 // to --min-lr-ratio of --lr at --schedule-steps (--steps by default; a
 // checkpoint keeps the schedule, so --resume continues on it), and no weight decay on biases, norm
 // weights and embeddings (--decay-all puts every parameter in one group).
-// Under `strata run -n N` it trains data parallel, each rank on batches of its
-// own, with --zero-stage sharding optimizer state (1), gradients (2) and
-// parameters (3) over the ranks. With --pp P, with --tp and --sp together,
-// with --tp-mode 2d, 2.5d or 3d, or with a plan file (--config, or
-// STRATA_PLAN) it trains the model as layers through parallel::Trainer under
-// one HybridPlan (docs/parallel.md): --pp cuts it into P stages (--schedule
+// Every layout is one code path: the model (models/gpt's gpt_layers, the one
+// definition) trained through parallel::Trainer under one HybridPlan
+// (docs/parallel.md), from a plan file (--config, or STRATA_PLAN) or the
+// layout flags: --pp cuts it into P stages (--schedule
 // gpipe|1f1b|interleaved-1f1b|zb-h1 or --pp-schedule, --microbatches M),
-// --tp T splits it (--tp-mode 1d|2d|2.5d [--tp-depth K]|3d), --sp S
-// splits each sequence, and the ranks the axes leave form the data axis
-// (strata run -n 8 -- gpt --pp 2 --tp 2 --sp 2; strata run -n 4 --pp 2: dp 2).
+// --tp T splits it (--tp-mode 1d|2d|2.5d [--tp-depth K]|3d, Megatron's
+// --sequence-parallel), --sp S splits each sequence, and under `strata run
+// -n N` the ranks the axes leave form the data axis, each replica on batches
+// of its own, with --zero-stage sharding optimizer state (1), gradients (2)
+// and parameters (3) over them (strata run -n 8 -- gpt --pp 2 --tp 2 --sp 2;
+// strata run -n 4 -- gpt --pp 2: dp 2). The output projection is tied to the
+// token embedding where the layout allows (one stage, mode 1d), else a head
+// of its own (--untied-head asks for that everywhere).
 //
 // --lazy constructs the model without memory for its weights (LazyInit), each
 // parameter materialised into its chunks at attach; --preset 3b trains a
@@ -69,7 +72,6 @@
 namespace {
 
 namespace mem = strata::memory;
-using strata::examples::Gpt;
 using strata::examples::GptConfig;
 
 std::string env_or(const char* name, const std::string& fallback) {
@@ -86,22 +88,6 @@ mem::TierBudgets default_budgets(uint64_t state, const std::string& device, cons
   };
   return {budget(device, 0.25), budget(host, 0.5), budget(nvme, 2.0)};
 }
-
-// The model as layers (gpt_layers) trained through a parallel::Trainer under
-// one HybridPlan (docs/parallel.md): --config FILE, or the layout flags
-// (--pp, --tp in mode 1d, --sequence-parallel, --sp, --zero-stage), in any
-// combination; the ranks the plan's axes leave form the data axis. Each rank
-// trains its part with budgets sized from its own share of the model state.
-struct PlanRun {
-  const torch::Tensor& corpus;
-  GptConfig mc;
-  std::function<strata::parallel::OptimizerConfig(torch::nn::Module&)> optimizer;
-  strata::parallel::EngineOptions opts;
-  strata::parallel::HybridPlan plan;
-  int steps, batch;
-  bool lazy, print_losses;
-  std::string device_budget, host_budget, nvme_budget, nvme_dir;
-};
 
 // This rank's parameters under `plan`: its stages of the balanced cut the
 // trainer makes (an even share for a cut of its own), its tensor part of them.
@@ -123,19 +109,45 @@ int64_t rank_parameters(torch::nn::Sequential& layers, const strata::parallel::H
   return n / (plan.tp.mode == strata::parallel::TensorMode::k2_5D ? plan.tp.size / plan.tp.depth : plan.tp.size);
 }
 
-int train_plan(PlanRun a) {
+// Everything a run needs besides the plan: the flags, resolved.
+struct Run {
+  const torch::Tensor& corpus;
+  GptConfig mc;
+  bool untied_head;
+  std::function<strata::parallel::OptimizerConfig(torch::nn::Module&)> optimizer;
+  strata::parallel::EngineOptions opts;
+  strata::parallel::HybridPlan plan;
+  int steps, batch, sample_tokens, save_every;
+  bool lazy, print_losses;
+  std::string device_budget, host_budget, nvme_budget, nvme_dir, checkpoint_dir, resume, export_weights;
+};
+
+// The model as layers (gpt_layers) trained through a parallel::Trainer under
+// one HybridPlan (docs/parallel.md), whatever the layout: one process, the
+// data axis, --config FILE or the layout flags (--pp, --tp in any mode,
+// --sequence-parallel, --sp, --zero-stage) in any combination; the ranks the
+// plan's axes leave form the data axis. Each rank trains its part with
+// budgets sized from its own share of the model state.
+int train(Run a) {
   namespace sp = strata::parallel;
   const sp::Rendezvous rv = sp::Rendezvous::from_env();
   const sp::ModelShape shape{a.mc.dim, a.mc.heads, a.mc.context, a.mc.layers + 2};
+  // The head is tied to the token embedding where the layout allows it: one
+  // stage, and a table a linear layer can use (not a 2D/2.5D/3D one).
+  const bool grid = a.plan.tp.size > 1 && a.plan.tp.mode != sp::TensorMode::k1D;
+  a.mc.tied_head = !a.untied_head && a.plan.pp.size == 1 && !grid;
   if (a.plan.tp.size > 1 && a.plan.tp.layers.empty()) {  // every mode splits by the same module plan
     a.plan.tp.layers = strata::examples::gpt_layers_tensor_parallel_plan(a.mc, a.plan.tp.sequence_parallel);
   }
   const sp::HybridPlan plan = a.plan.validated(rv.world_size, shape);  // before any communicator
+  STRATA_CHECK(a.export_weights.empty() || plan.pp.size == 1, "--export-weights with --pp ", plan.pp.size, ": each "
+               "stage would write a part of its own, which is not built yet; drop one");
   // Gloo on every machine: the pipeline's links and the example's host-side
   // agreements run on host buffers.
   sp::DeviceMesh mesh = sp::DeviceMesh::create(sp::make_gloo_communicator(rv), plan.dims());
   if (plan.sp.size > 1) a.mc.sequence_attention = sp::sequence_attention(mesh, plan);
   torch::manual_seed(0);
+  const auto build_start = std::chrono::steady_clock::now();
   torch::nn::Sequential layers{nullptr};
   if (a.lazy) {
     sp::LazyInit no_memory;  // parameters materialise into their chunks at attach
@@ -143,24 +155,59 @@ int train_plan(PlanRun a) {
   } else {
     layers = strata::examples::gpt_layers(a.mc);
   }
+  const double build_secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - build_start).count();
+  const int64_t total = strata::examples::count_parameters(*layers);
   const sp::OptimizerConfig cfg = a.optimizer(*layers);
   const int64_t params = rank_parameters(layers, plan, mesh.coord(sp::DeviceMesh::kPipeline));
   const uint64_t state = static_cast<uint64_t>(params) * sp::model_state_bytes_per_param(a.opts.precision, cfg.state_count());
   a.opts.budgets = default_budgets(state, a.device_budget, a.host_budget, a.nvme_budget);
-  a.opts.nvme_dir = a.nvme_dir + "/rank" + std::to_string(rv.rank);
+  // Each rank's NVMe tier has files of its own.
+  a.opts.nvme_dir = rv.world_size > 1 ? a.nvme_dir + "/rank" + std::to_string(rv.rank) : a.nvme_dir;
+  const auto attach_start = std::chrono::steady_clock::now();
   sp::Trainer trainer(layers, mesh, plan, cfg, a.opts, shape);
+  const double attach_secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - attach_start).count();
+  sp::Engine& engine = trainer.engine();
+  const bool lead = rv.rank == 0;
+  fmt::print("corpus: {} bytes; model: {} layers, dim {}, context {}, {} parameters, {}\n", a.corpus.size(0),
+             a.mc.layers, a.mc.dim, a.mc.context, total, strata::dtype_name(a.opts.precision));
   fmt::print("plan {}: rank {} at dp {}, pp {}, tp {}, sp {}; about {} parameters, model state {} on budgets device {}, "
-             "host {}, nvme {}\n",
+             "host {}, nvme {}; output projection {}\n",
              plan.describe(), rv.rank, mesh.coord(sp::DeviceMesh::kData), mesh.coord(sp::DeviceMesh::kPipeline),
              mesh.coord(sp::DeviceMesh::kTensor), mesh.coord(sp::DeviceMesh::kSequence), params,
              strata::format_bytes(state), strata::format_bytes(a.opts.budgets.device),
-             strata::format_bytes(a.opts.budgets.host), strata::format_bytes(a.opts.budgets.nvme));
+             strata::format_bytes(a.opts.budgets.host), strata::format_bytes(a.opts.budgets.nvme),
+             a.mc.tied_head ? "tied to the token embedding"
+                            : (a.untied_head ? "of its own (--untied-head)"
+                                             : "of its own (a pipeline or a grid mode cannot tie it)"));
+  if (plan.tp.size > 1) {
+    fmt::print("tensor parallel ({}, {} ranks): {} parameters on this rank\n", sp::tensor_mode_name(plan.tp.mode),
+               plan.tp.size, trainer.report().parameters);
+  }
+  fmt::print("constructed {}in {:.1f} s, attached in {:.1f} s\n", a.lazy ? "lazily " : "", build_secs, attach_secs);
+  fmt::print("optimizer groups:");
+  for (const std::string& g : engine.param_groups()) fmt::print(" {} ({} tensors)", g, engine.group_parameters(g).size());
+  fmt::print("\n");
+  fmt::print("model state {} (params, grads, master weights, optimizer state) on budgets: device {} ({:.1f}x smaller, "
+             "{}), host {}, nvme {} in {}; optimizer state of {} of {} chunk families on nvme\n",
+             strata::format_bytes(state), strata::format_bytes(a.opts.budgets.device),
+             static_cast<double>(state) / a.opts.budgets.device, engine.chunks().device().name(),
+             strata::format_bytes(a.opts.budgets.host), strata::format_bytes(a.opts.budgets.nvme), a.opts.nvme_dir,
+             engine.nvme_optim_families(), engine.num_families());
   // Each replica its own batches, the same on all its ranks; one replica
-  // draws what one process under the plan of size 1 draws.
+  // draws what one process draws.
   torch::manual_seed(1 + mesh.coord(sp::DeviceMesh::kData));
+  int first_step = 1;
+  if (!a.resume.empty()) {
+    trainer.load(a.resume);  // the data order too: each rank's RNG state
+    first_step = static_cast<int>(engine.micro_steps()) + 1;
+    STRATA_CHECK(first_step <= a.steps, "--resume ", a.resume, " is at step ", first_step - 1, ", already past --steps ",
+                 a.steps, "; give a larger --steps to train on");
+    fmt::print("resumed from {} at step {}\n", a.resume, first_step);
+  }
+  const bool tty = isatty(STDOUT_FILENO);
   const auto start = std::chrono::steady_clock::now();
-  double first = 0, avg = 0;
-  for (int step = 1; step <= a.steps; ++step) {
+  double first = 0, avg = 0, last = 0;
+  for (int step = first_step; step <= a.steps; ++step) {
     const auto [x, y] = strata::examples::sample_batch(a.corpus, a.batch, a.mc.context);
     const sp::StepResult r = trainer.step(x, y, strata::examples::gpt_loss);
     double loss = r.loss;  // the replica's; averaged over the replicas for the log
@@ -169,20 +216,69 @@ int train_plan(PlanRun a) {
       loss = 0;
       for (double l : all) loss += l / static_cast<double>(all.size());
     }
-    if (a.print_losses && rv.rank == 0) fmt::print("step {} loss {:.8g}\n", step, loss);
-    if (step == 1) first = avg = loss;
+    if (a.print_losses && lead) fmt::print("step {} loss {:.8g}\n", step, loss);
+    if (step == first_step) first = avg = loss;
+    last = r.loss;
+    if (a.save_every > 0 && step % a.save_every == 0) {
+      const auto t0 = std::chrono::steady_clock::now();
+      trainer.save(a.checkpoint_dir);
+      const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      if (!tty) fmt::print("saved step {} to {} in {:.2f} s\n", step, a.checkpoint_dir, secs);
+    }
     avg = 0.95 * avg + 0.05 * loss;
-    if (rv.rank == 0 && (step % 25 == 0 || step == a.steps)) {
+    if (tty || step % 25 == 0 || step == a.steps) {
       const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      fmt::print("step {}/{} loss {:.3f} tok/s {:.0f} (all replicas)\n", step, a.steps, avg,
-                 step * a.batch * a.mc.context * plan.dp / secs);
+      const mem::MoveStats m = engine.chunks().move_stats();
+      auto moved = [&](mem::Tier from, mem::Tier to) { return strata::format_bytes(m.bytes[int(from)][int(to)]); };
+      const int width = 24, done = width * step / a.steps;
+      fmt::print("{}[{}{}] step {}/{} loss {:.3f} lr {:.2e} tok/s {:.0f} (all replicas){} | h>d {} d>h {} h>n {} n>h {} "
+                 "n>d {}{}",
+                 tty ? "\r" : "", std::string(done, '#'), std::string(width - done, '.'), step, a.steps, avg,
+                 engine.lr(), (step - first_step + 1) * a.batch * a.mc.context * plan.dp / secs,
+                 a.opts.precision == strata::DType::kFloat16 ? fmt::format(" scale {:g}", engine.loss_scale()) : "",
+                 moved(mem::Tier::kHost, mem::Tier::kDevice), moved(mem::Tier::kDevice, mem::Tier::kHost),
+                 moved(mem::Tier::kHost, mem::Tier::kNvme), moved(mem::Tier::kNvme, mem::Tier::kHost),
+                 moved(mem::Tier::kNvme, mem::Tier::kDevice), tty ? "   " : "\n");
       std::fflush(stdout);
     }
   }
+  if (tty) fmt::print("\n");
+  for (mem::Tier t : {mem::Tier::kDevice, mem::Tier::kHost, mem::Tier::kNvme}) {
+    const mem::TierStats s = engine.chunks().tier_stats(t);
+    fmt::print("{:<7} peak {} of budget {}\n", mem::tier_name(t), strata::format_bytes(s.peak),
+               strata::format_bytes(s.budget));
+  }
   fmt::print("{}\n", trainer.report().describe());
-  fmt::print("loss {:.3f} -> {:.3f} over {} steps\n", first, avg, a.steps);
-  if (a.steps >= 3 && !(avg < first)) {
-    std::fprintf(stderr, "gpt: the smoothed loss did not fall (%.3f -> %.3f); exit status 1\n", first, avg);
+  fmt::print("loss {:.3f} -> {:.3f} over {} steps; last step's loss {:.6f}\n", first, avg, a.steps - first_step + 1,
+             last);
+  if (!a.export_weights.empty()) {
+    engine.export_weights(a.export_weights);
+    if (lead) fmt::print("weights written to {} (safetensors)\n", a.export_weights);
+  }
+  // Sample a line from the trained model where one rank holds whole
+  // sequences and whole batches: not under sequence parallelism (Megatron's
+  // or --sp), a pipeline, or a grid mode, whose batch blocks a batch of one
+  // cannot fill.
+  if (plan.sp.size == 1 && plan.pp.size == 1 && !plan.tp.sequence_parallel && !grid && a.sample_tokens > 0) {
+    torch::Tensor idx = a.corpus.slice(0, 0, 8).unsqueeze(0);
+    for (int i = 0; i < a.sample_tokens; ++i) {
+      const torch::Tensor ctx = idx.slice(1, std::max<int64_t>(0, idx.size(1) - a.mc.context));
+      const torch::Tensor logits = trainer.evaluate(ctx).select(1, -1).to(torch::kCPU, torch::kFloat32);
+      idx = torch::cat({idx, torch::multinomial(torch::softmax(logits, -1), 1)}, 1);
+    }
+    std::string sample;
+    for (int64_t i = 0; i < idx.size(1); ++i) {
+      // Printable ASCII as it is, newlines and tabs as spaces, any other byte as
+      // '?': never raw control bytes or invalid UTF-8 on the terminal.
+      const int64_t c = idx[0][i].item<int64_t>();
+      sample += c == '\n' || c == '\t' ? ' ' : (c >= 0x20 && c < 0x7f ? static_cast<char>(c) : '?');
+    }
+    fmt::print("sample: {}\n", sample);
+  }
+  // Fewer than 3 steps measure (--preset 3b); from 3 the loss must fall.
+  if (a.steps - first_step + 1 >= 3 && !(avg < first)) {
+    std::fprintf(stderr, "gpt: the smoothed loss did not fall (%.3f -> %.3f over %d steps); exit status 1\n", first,
+                 avg, a.steps - first_step + 1);
     return 1;
   }
   return 0;
@@ -349,7 +445,9 @@ int run(int argc, char** argv) {
     }
   }
   // Paths the run will write: checked now, not after the training they would end.
-  if (save_every > 0 && tp == 1) strata::parallel::Engine::check_save_target(checkpoint_dir);  // --tp: per-rank parts
+  if (save_every > 0 && tp == 1 && pp == 1) {
+    strata::parallel::Engine::check_save_target(checkpoint_dir);  // --tp, --pp: per-rank parts
+  }
   if (!export_weights.empty()) strata::parallel::Engine::check_export_target(export_weights);
   mc.vocab = 256;
 
@@ -371,120 +469,25 @@ int run(int argc, char** argv) {
     if (schedule == "linear") cfg.schedule = sp::LrSchedule::warmup_linear(warmup, schedule_steps, min_lr_ratio);
     return cfg;
   };
-  // A plan (a file, or the layout flags combining axes, or a grid tensor
-  // mode): one path for every combination (train_plan); the data axis alone,
-  // 1D tensor parallelism or sequence parallelism alone below.
-  const bool grid_mode = tp > 1 && tp_mode != "1d";
-  if (!config.empty() || std::getenv("STRATA_PLAN") != nullptr || pp > 1 || (tp > 1 && seq_ranks > 1) || grid_mode) {
-    STRATA_CHECK(!baseline, "--baseline trains one process with plain LibTorch; drop the layout flags or --config");
-    STRATA_CHECK(save_every == 0 && resume.empty() && export_weights.empty(), "--save-every, --resume and "
-                 "--export-weights are not built for a plan in this example yet; drop them (or train without --pp, "
-                 "--config, --tp-mode 2d/2.5d/3d and --tp with --sp)");
-    if (!config.empty()) {
-      for (const char* flag : {"--pp", "--tp", "--tp-mode", "--tp-depth", "--sp", "--zero-stage", "--microbatches",
-                               "--virtual-stages", "--pp-schedule", "--sp-mode", "--sequence-parallel"}) {
-        STRATA_CHECK(app.count(flag) == 0, "--config ", config, " gives the layout; drop ", flag);
-      }
-    }
-    sp::HybridPlan base;
-    base.zero_stage = opts.zero_stage;
-    base.pp.size = pp;
-    base.pp.schedule = sp::pipeline::schedule_from_name(pp_schedule);
-    base.pp.microbatches = microbatches;
-    base.pp.virtual_stages = virtual_stages;
-    base.tp.size = tp;
-    base.tp.mode = sp::parse_tensor_mode(tp_mode);
-    base.tp.depth = tp_mode == "2.5d" ? tp_depth : 1;
-    base.tp.sequence_parallel = tp_sequence;
-    base.sp.size = seq_ranks;
-    base.sp.mode = sp::sequence::parse_mode(sp_mode);
-    return train_plan({corpus, mc, make_optimizer, opts,
-                       config.empty() ? sp::HybridPlan::from_env(base) : sp::HybridPlan::from_file(config), steps,
-                       batch, lazy, print_losses, device_budget, host_budget, nvme_budget, nvme_dir});
-  }
-  // --sp: the ranks as data x sequence; attention over the sequence group,
-  // the batch's positions split over it, gradients averaged over all ranks
-  // (each rank's loss is the mean over its positions).
-  namespace spp = strata::parallel;
-  std::shared_ptr<spp::Communicator> sp_world, sp_group;
-  spp::sequence::Attention sp_attention{nullptr};
-  int sp_dp_rank = 0;
-  const bool zigzag = sp_mode == "ring-attention";
-  if (seq_ranks > 1) {
-    const spp::Rendezvous r0 = spp::Rendezvous::from_env();
-    STRATA_CHECK(r0.world_size % seq_ranks == 0, "--sp ", seq_ranks, " does not divide the ", r0.world_size,
-                 " ranks: run strata run -n with a multiple of --sp");
-    STRATA_CHECK(mc.context % (zigzag ? 2 * seq_ranks : seq_ranks) == 0, "--context ", mc.context, " does not split into ",
-                 zigzag ? 2 * seq_ranks : seq_ranks, " equal parts", zigzag ? " (ring attention's zigzag layout: 2 per rank)" : "");
-    STRATA_CHECK(sp_mode != "ulysses" || mc.heads % seq_ranks == 0, "Ulysses splits the ", mc.heads,
-                 " heads over --sp ", seq_ranks, ": use a head count divisible by it");
-    sp_world = spp::make_gloo_communicator(r0);
-    spp::DeviceMesh mesh = spp::DeviceMesh::create(*sp_world, {r0.world_size / seq_ranks, 1, 1, seq_ranks});
-    sp_dp_rank = mesh.coord(spp::DeviceMesh::kData);
-    sp_group = mesh.group(spp::DeviceMesh::kSequence);
-    // The attention, the shards and the positions of the chosen mode (parallel::sequence::Attention).
-    spp::sequence::AttentionOptions ao;
-    ao.mode = spp::sequence::parse_mode(sp_mode);
-    sp_attention = spp::sequence::Attention(*sp_group, ao);
-    spp::sequence::Attention att = sp_attention;
-    mc.attention = [att](const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) mutable {
-      return att->forward(q, k, v);
-    };
-    mc.positions = [att](int64_t local) { return att->positions(local); };
-  }
-  // This rank's positions of a batch [batch, context].
-  const auto my_positions = [&](const torch::Tensor& t) { return seq_ranks == 1 ? t : sp_attention->shard(t, 1); };
-  STRATA_CHECK(!tp_sequence || tp > 1, "--sequence-parallel goes with --tp N (N > 1) in mode 1d");
-  mc.tied_head = !untied_head;
-  torch::manual_seed(0);
-  const auto build_start = std::chrono::steady_clock::now();
-  Gpt model{nullptr};
-  if (lazy) {
-    strata::parallel::LazyInit no_memory;  // parameters materialise into their chunks at attach
-    model = Gpt(mc);
-  } else {
-    model = Gpt(mc);
-  }
-  const double build_secs =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - build_start).count();
-  const int64_t params = strata::examples::count_parameters(*model);
-  // --tp: the ranks as data x tensor; the model as one process builds it,
-  // then each rank keeps its part (parallelize, a plan of Megatron's styles).
-  std::shared_ptr<spp::Communicator> tp_world, tp_group, tp_data;
-  int tp_dp_rank = 0;
-  int64_t rank_params = params;
-  if (tp > 1) {
-    const spp::Rendezvous r0 = spp::Rendezvous::from_env();
-    STRATA_CHECK(r0.world_size % tp == 0, "--tp ", tp, " does not divide the ", r0.world_size,
-                 " ranks: run strata run -n with a multiple of --tp");
-    STRATA_CHECK(mc.heads % tp == 0, "--tp ", tp, " splits the ", mc.heads,
-                 " heads: use a head count divisible by it");
-    tp_world = spp::make_gloo_communicator(r0);
-    spp::DeviceMesh mesh = spp::DeviceMesh::create(*tp_world, {r0.world_size / tp, 1, tp, 1});
-    tp_dp_rank = mesh.coord(spp::DeviceMesh::kData);
-    tp_group = mesh.group(spp::DeviceMesh::kTensor);
-    tp_data = mesh.group(spp::DeviceMesh::kData);
-    rank_params =
-        spp::parallelize(*model, *tp_group, strata::examples::gpt_tensor_parallel_plan(tp_sequence)).local_params;
-  }
-  torch::nn::Module& trained = *model;
-  const auto loss_of = [&](const torch::Tensor& x, const torch::Tensor& y) { return model->loss(x, y); };
-  sp::OptimizerConfig cfg = make_optimizer(trained);
-  const uint64_t state =
-      static_cast<uint64_t>(rank_params) * sp::model_state_bytes_per_param(opts.precision, cfg.state_count());
-  opts.budgets = default_budgets(state, device_budget, host_budget, nvme_budget);
-  opts.nvme_dir = nvme_dir;
   if (baseline) {
     // Plain LibTorch, everything resident: the reference point for strata's
-    // figures (AdamW, one group, the same schedule).
+    // figures (AdamW, one group, the same schedule), on the same model.
+    for (const char* flag : {"--config", "--pp", "--tp", "--sp", "--zero-stage", "--lazy"}) {
+      STRATA_CHECK(app.count(flag) == 0, "--baseline trains one process with plain LibTorch; drop ", flag);
+    }
+    mc.tied_head = !untied_head;
+    torch::manual_seed(0);
+    torch::nn::Sequential model = strata::examples::gpt_layers(mc);
+    const sp::OptimizerConfig cfg = make_optimizer(*model);
     torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(lr).weight_decay(cfg.weight_decay));
+    torch::manual_seed(1);
     const auto t0 = std::chrono::steady_clock::now();
     double loss = 0;
     for (int step = 1; step <= steps; ++step) {
       const auto [x, y] = strata::examples::sample_batch(corpus, batch, mc.context);
       static_cast<torch::optim::AdamWOptions&>(opt.param_groups()[0].options()).lr(lr * cfg.schedule.factor(step - 1));
       opt.zero_grad();
-      torch::Tensor l = model->loss(x, y);
+      torch::Tensor l = strata::examples::gpt_loss(model->forward(x), y);
       l.backward();
       if (opts.clip_norm > 0) torch::nn::utils::clip_grad_norm_(model->parameters(), opts.clip_norm);
       opt.step();
@@ -495,136 +498,31 @@ int run(int argc, char** argv) {
                steps * batch * mc.context / secs);
     return 0;
   }
-  // Under `strata run -n N` (or torchrun): data parallel over Gloo, each rank
-  // on batches of its own. Saving and exporting are collective (every rank
-  // calls them, rank 0 writes).
-  std::shared_ptr<strata::parallel::Communicator> comm;
-  const strata::parallel::Rendezvous rv = strata::parallel::Rendezvous::from_env();
-  if (sp_world) {
-    comm = sp_world;  // data x sequence: every rank's gradients averaged
-    opts.nvme_dir += "/rank" + std::to_string(rv.rank);
-  } else if (tp_world) {
-    if (tp_data->world_size() > 1) comm = tp_data;  // data x tensor: each part averaged over its replicas
-    opts.nvme_dir += "/rank" + std::to_string(rv.rank);
-  } else if (rv.world_size > 1) {
-    comm = strata::parallel::make_gloo_communicator(rv);
-    opts.nvme_dir += "/rank" + std::to_string(rv.rank);  // each rank's NVMe tier has files of its own
-  }
-  const bool lead = rv.rank == 0;
-  const auto attach_start = std::chrono::steady_clock::now();
-  auto engine = strata::parallel::attach(trained, cfg, opts, comm);
-  const double attach_secs =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - attach_start).count();
-  // Each replica its own batches; the ranks of one sequence group draw the
-  // same ones (with one replica, the same as one process would).
-  if (seq_ranks > 1 && rv.world_size > seq_ranks) torch::manual_seed(1 + sp_dp_rank);
-  if (tp > 1 && rv.world_size > tp) torch::manual_seed(1 + tp_dp_rank);
-  if (seq_ranks == 1 && tp == 1 && comm) torch::manual_seed(1 + rv.rank);
-  fmt::print("corpus: {} bytes; model: {} layers, dim {}, context {}, {} parameters, {}\n", corpus.size(0), mc.layers,
-             mc.dim, mc.context, params, strata::dtype_name(opts.precision));
-  if (tp > 1) fmt::print("tensor parallel ({}, {} ranks): {} parameters on this rank\n", tp_mode, tp, rank_params);
-  fmt::print("constructed {}in {:.1f} s, attached in {:.1f} s\n", lazy ? "lazily " : "", build_secs, attach_secs);
-  fmt::print("optimizer {}, lr {:g} with {} steps of warm-up and {} decay to {:g}x; groups:", optimizer, lr, warmup,
-             schedule, min_lr_ratio);
-  for (const std::string& g : engine->param_groups()) {
-    fmt::print(" {} ({} tensors)", g, engine->group_parameters(g).size());
-  }
-  fmt::print("\n");
-  fmt::print("model state {} (params, grads, master weights, optimizer state) on budgets: device {} ({:.1f}x smaller, "
-             "{}), host {}, nvme {} in {}; optimizer state of {} of {} chunk families on nvme\n",
-             strata::format_bytes(state), strata::format_bytes(opts.budgets.device),
-             static_cast<double>(state) / opts.budgets.device, engine->chunks().device().name(),
-             strata::format_bytes(opts.budgets.host), strata::format_bytes(opts.budgets.nvme), opts.nvme_dir,
-             engine->nvme_optim_families(), engine->num_families());
-
-  int first_step = 1;
-  if (!resume.empty()) {
-    engine->load(resume);
-    first_step = static_cast<int>(engine->micro_steps()) + 1;
-    STRATA_CHECK(first_step <= steps, "--resume ", resume, " is at step ", first_step - 1, ", already past --steps ",
-                 steps, "; give a larger --steps to train on");
-    fmt::print("resumed from {} at step {}\n", resume, first_step);  // each rank with its own RNG state
-  }
-  const bool tty = isatty(STDOUT_FILENO);
-  const auto start = std::chrono::steady_clock::now();
-  double first_loss = 0, avg = 0, last = 0;
-  for (int step = first_step; step <= steps; ++step) {
-    const auto [full_x, full_y] = strata::examples::sample_batch(corpus, batch, mc.context);
-    const torch::Tensor x = engine->to_device(my_positions(full_x)), y = engine->to_device(my_positions(full_y));
-    const auto r = engine->train_step([&] { return loss_of(x, y); });
-    if (print_losses) {
-      spp::Communicator* everyone = tp_world ? tp_world.get() : comm.get();
-      const std::vector<double> all = everyone ? spp::all_gather_values(*everyone, {r.loss}) : std::vector<double>{r.loss};
-      double mean = 0;
-      for (double l : all) mean += l / static_cast<double>(all.size());
-      if (lead) fmt::print("step {} loss {:.8g}\n", step, mean);
-    }
-    if (step == first_step) first_loss = avg = r.loss;
-    last = r.loss;
-    if (save_every > 0 && step % save_every == 0) {
-      const auto t0 = std::chrono::steady_clock::now();
-      engine->save(checkpoint_dir);
-      const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      if (!tty) fmt::print("saved step {} to {} in {:.2f} s\n", step, checkpoint_dir, secs);
-    }
-    avg = 0.95 * avg + 0.05 * r.loss;
-    if (tty || step % 25 == 0 || step == steps) {
-      const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      const mem::MoveStats m = engine->chunks().move_stats();
-      auto moved = [&](mem::Tier a, mem::Tier b) { return strata::format_bytes(m.bytes[int(a)][int(b)]); };
-      const int width = 24, done = width * step / steps;
-      fmt::print("{}[{}{}] step {}/{} loss {:.3f} lr {:.2e} tok/s {:.0f}{} | h>d {} d>h {} h>n {} n>h {} n>d {}{}", tty ? "\r" : "",
-                 std::string(done, '#'), std::string(width - done, '.'), step, steps, avg, engine->lr(),
-                 step * batch * mc.context / secs,
-                 opts.precision == strata::DType::kFloat16 ? fmt::format(" scale {:g}", engine->loss_scale()) : "", moved(mem::Tier::kHost, mem::Tier::kDevice),
-                 moved(mem::Tier::kDevice, mem::Tier::kHost), moved(mem::Tier::kHost, mem::Tier::kNvme),
-                 moved(mem::Tier::kNvme, mem::Tier::kHost), moved(mem::Tier::kNvme, mem::Tier::kDevice),
-                 tty ? "   " : "\n");
-      std::fflush(stdout);
+  // One path for every layout: a plan from --config (or STRATA_PLAN), or from
+  // the layout flags, the ranks they leave forming the data axis.
+  if (!config.empty()) {
+    for (const char* flag : {"--pp", "--tp", "--tp-mode", "--tp-depth", "--sp", "--zero-stage", "--microbatches",
+                             "--virtual-stages", "--pp-schedule", "--sp-mode", "--sequence-parallel"}) {
+      STRATA_CHECK(app.count(flag) == 0, "--config ", config, " gives the layout; drop ", flag);
     }
   }
-  if (tty) fmt::print("\n");
-  for (mem::Tier t : {mem::Tier::kDevice, mem::Tier::kHost, mem::Tier::kNvme}) {
-    const mem::TierStats s = engine->chunks().tier_stats(t);
-    fmt::print("{:<7} peak {} of budget {}\n", mem::tier_name(t), strata::format_bytes(s.peak),
-               strata::format_bytes(s.budget));
-  }
-  uint64_t held = 0;
-  for (mem::Tier t : {mem::Tier::kDevice, mem::Tier::kHost, mem::Tier::kNvme}) held += engine->chunks().tier_stats(t).used;
-  fmt::print("model state held on this rank after the last step (ZeRO stage {}): {}\n", engine->zero_stage(),
-             strata::format_bytes(held));
-  fmt::print("loss {:.3f} -> {:.3f} over {} steps; last step's loss {:.6f}\n", first_loss, avg,
-             steps - first_step + 1, last);
-  if (!export_weights.empty()) {
-    engine->export_weights(export_weights);
-    if (lead) fmt::print("weights written to {} (safetensors)\n", export_weights);
-  }
-  // Sample a line from the trained model (one process, data parallel or 1D
-  // tensor parallel: with --sp or --sequence-parallel the growing sequence
-  // would have to split over the group).
-  if (seq_ranks == 1 && !tp_sequence && sample_tokens > 0) {
-    torch::Tensor idx = corpus.slice(0, 0, 8).unsqueeze(0);
-    for (int i = 0; i < sample_tokens; ++i) {
-      const torch::Tensor ctx = engine->to_device(idx.slice(1, std::max<int64_t>(0, idx.size(1) - mc.context)));
-      const torch::Tensor logits = engine->run([&] { return model->forward(ctx).select(1, -1).to(torch::kFloat32); });
-      idx = torch::cat({idx, torch::multinomial(torch::softmax(logits, -1), 1).to(torch::kCPU)}, 1);
-    }
-    std::string sample;
-    for (int64_t i = 0; i < idx.size(1); ++i) {
-      // Printable ASCII as it is, newlines and tabs as spaces, any other byte as
-      // '?': never raw control bytes or invalid UTF-8 on the terminal.
-      const int64_t c = idx[0][i].item<int64_t>();
-      sample += c == '\n' || c == '\t' ? ' ' : (c >= 0x20 && c < 0x7f ? static_cast<char>(c) : '?');
-    }
-    fmt::print("sample: {}\n", sample);
-  }
-  // Fewer than 3 steps measure (--preset 3b); from 3 the loss must fall.
-  if (steps - first_step + 1 >= 3 && !(avg < first_loss)) {
-    std::fprintf(stderr, "gpt: the smoothed loss did not fall (%.3f -> %.3f over %d steps); exit status 1\n", first_loss,
-                 avg, steps - first_step + 1);
-    return 1;
-  }
-  return 0;
+  sp::HybridPlan base;
+  base.zero_stage = opts.zero_stage;
+  base.pp.size = pp;
+  base.pp.schedule = sp::pipeline::schedule_from_name(pp_schedule);
+  base.pp.microbatches = microbatches;
+  base.pp.virtual_stages = virtual_stages;
+  base.tp.size = tp;
+  base.tp.mode = sp::parse_tensor_mode(tp_mode);
+  base.tp.depth = tp_mode == "2.5d" ? tp_depth : 1;
+  base.tp.sequence_parallel = tp_sequence;
+  base.sp.size = seq_ranks;
+  base.sp.mode = sp::sequence::parse_mode(sp_mode);
+  opts.zero_stage = 0;  // the plan's decides
+  return train({corpus, mc, untied_head, make_optimizer, opts,
+                config.empty() ? sp::HybridPlan::from_env(base) : sp::HybridPlan::from_file(config), steps, batch,
+                sample_tokens, save_every, lazy, print_losses, device_budget, host_budget, nvme_budget, nvme_dir,
+                checkpoint_dir, resume, export_weights});
 }
 
 }  // namespace

@@ -54,14 +54,14 @@ struct Measured {
 Measured measure(const examples::GptConfig& mc, const parallel::EngineOptions& eo, const std::string& ckpt,
                  int repeats) {
   torch::manual_seed(0);
-  examples::Gpt model(mc);
+  torch::nn::Sequential model = examples::gpt_layers(mc);
   Measured m;
   auto engine = parallel::attach(*model, parallel::AdamWConfig{}, eo);
   m.nvme_families = engine->nvme_optim_families();
   m.families = engine->num_families();
   for (int i = 0; i < 2; ++i) {  // optimizer state exists, and moved where it lives
     const torch::Tensor x = torch::randint(0, mc.vocab, {4, mc.context}), y = torch::randint(0, mc.vocab, {4, mc.context});
-    engine->train_step([&] { return model->loss(x, y); });
+    engine->train_step([&] { return examples::gpt_loss(model->forward(x), y); });
   }
   std::vector<double> saves, loads;
   for (int r = 0; r < repeats; ++r) {
@@ -84,7 +84,7 @@ void run_checkpoint_bench(const CheckpointBenchOptions& o) {
   int64_t params = 0;
   {
     torch::manual_seed(0);
-    examples::Gpt model(mc);
+    torch::nn::Sequential model = examples::gpt_layers(mc);
     params = examples::count_parameters(*model);
   }
   const uint64_t state = static_cast<uint64_t>(params) * parallel::model_state_bytes_per_param(precision);

@@ -111,10 +111,10 @@ void run_scale_bench(const ScaleBenchOptions& o) {
   const uint64_t rss0 = status_bytes("VmRSS");
   torch::manual_seed(0);
   auto t = Clock::now();
-  examples::Gpt model{nullptr};
+  torch::nn::Sequential model{nullptr};
   {
     parallel::LazyInit lazy;
-    model = examples::Gpt(mc);
+    model = examples::gpt_layers(mc);
   }
   const double build_s = since(t);
   const uint64_t build_peak = status_bytes("VmHWM") - rss0;
@@ -147,7 +147,7 @@ void run_scale_bench(const ScaleBenchOptions& o) {
     const torch::Tensor x = tokens.slice(1, 0, o.context), y = tokens.slice(1, 1, o.context + 1);
     const Traffic before = nvme_traffic(engine->chunks().move_stats());
     t = Clock::now();
-    const double loss = engine->train_step([&] { return model->loss(x, y); }).loss;
+    const double loss = engine->train_step([&] { return examples::gpt_loss(model->forward(x), y); }).loss;
     const double step_s = since(t);
     total_s += step_s;
     const Traffic after = nvme_traffic(engine->chunks().move_stats());

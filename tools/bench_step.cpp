@@ -42,7 +42,6 @@
 namespace strata::tools {
 namespace {
 
-using examples::Gpt;
 using examples::GptConfig;
 namespace mem = memory;
 
@@ -102,7 +101,7 @@ torch::Device compute_device() {
 // the same clipping as the engine.
 Row run_baseline(const GptConfig& mc, const Batches& data, const StepBenchOptions& o) {
   torch::manual_seed(0);
-  Gpt model(mc);
+  torch::nn::Sequential model = examples::gpt_layers(mc);
   const torch::Device device = compute_device();
   model->to(device);
   parallel::AdamWConfig cfg;
@@ -113,7 +112,7 @@ Row run_baseline(const GptConfig& mc, const Batches& data, const StepBenchOption
     const torch::Tensor x = data[i].first.to(device), y = data[i].second.to(device);
     const double t = seconds([&] {
       opt.zero_grad();
-      torch::Tensor loss = model->loss(x, y);
+      torch::Tensor loss = examples::gpt_loss(model->forward(x), y);
       loss.backward();
       torch::nn::utils::clip_grad_norm_(model->parameters(), 1.0);
       opt.step();
@@ -131,7 +130,7 @@ Row run_strata(const GptConfig& mc, const Batches& data, const StepBenchOptions&
                bool nvme, const std::string& policy = "auto", bool prefetch = true,
                std::shared_ptr<parallel::Communicator> comm = nullptr, int stage = 0) {
   torch::manual_seed(0);
-  Gpt model(mc);
+  torch::nn::Sequential model = examples::gpt_layers(mc);
   const DType precision = parse_dtype(o.precision);
   const int64_t params = examples::count_parameters(*model);
   const uint64_t state = static_cast<uint64_t>(params) * parallel::model_state_bytes_per_param(precision);
@@ -175,7 +174,7 @@ Row run_strata(const GptConfig& mc, const Batches& data, const StepBenchOptions&
         gathers_before = engine->parameter_gathers();
       }
       const double t = seconds(
-          [&] { r.loss = engine->train_step([&] { return model->loss(x, y); }).loss; });
+          [&] { r.loss = engine->train_step([&] { return examples::gpt_loss(model->forward(x), y); }).loss; });
       if (static_cast<int>(i) >= o.warmup) times.push_back(t);
     }
     r.moved_per_step = (total(engine->move_stats().bytes) - moved_before) / times.size();

@@ -215,7 +215,7 @@ void add_trace_command(CLI::App& app) {
   sim->add_flag("--sweep", so->sweep, "try budgets from the widest operator to everything resident; recommend one");
   sim->add_option("--checkpoint", so->checkpoint,
                   "layers to predict activation checkpointing for, as strata trace report lists them "
-                  "(a trailing * matches a prefix: blocks.*)")->delimiter(',');
+                  "(glob patterns: blocks.*, *.block)")->delimiter(',');
   sim->add_option("--layer-depth", so->layer_depth, "components of a parameter name that make its layer (default 2)");
   sim->callback([so] { simulate(*so); });
 

@@ -4,6 +4,8 @@
 // strata/memory/trace.h; these are presentation, and live with the tool.
 #include "trace_views.h"
 
+#include <fnmatch.h>
+
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -229,11 +231,9 @@ CheckpointPrediction predict_checkpointing(const Trace& t, const std::vector<std
   uint64_t largest = 0;
   std::vector<std::string> unmatched;
   for (const std::string& pattern : patterns) {
-    const bool prefix = !pattern.empty() && pattern.back() == '*';
-    const std::string stem = prefix ? pattern.substr(0, pattern.size() - 1) : pattern;
     bool any = false;
     for (const LayerActivations& l : layers) {
-      const bool match = prefix ? l.layer.rfind(stem, 0) == 0 : l.layer == stem;
+      const bool match = fnmatch(pattern.c_str(), l.layer.c_str(), 0) == 0;  // '*' spans dots too
       if (!match) continue;
       any = true;
       if (std::find(p.layers.begin(), p.layers.end(), l.layer) != p.layers.end()) continue;
@@ -248,7 +248,7 @@ CheckpointPrediction predict_checkpointing(const Trace& t, const std::vector<std
     std::string names;
     for (size_t i = 0; i < std::min<size_t>(layers.size(), 6); ++i) names += (i ? ", " : "") + layers[i].layer;
     STRATA_FAIL("no layer matches ", unmatched.front(), "; the trace's layers at depth ", depth, " are ", names,
-                layers.size() > 6 ? ", ..." : "", " (a trailing * matches a prefix)");
+                layers.size() > 6 ? ", ..." : "", " (glob patterns: blocks.* or *.block)");
   }
   const auto [begin, end] = last_step(t);
   for (int64_t i = begin; i < end; ++i) {

@@ -38,7 +38,7 @@ torch::Tensor positions_of(int64_t t, const torch::Device& device) {
 
 torch::Tensor GptBlockImpl::forward(torch::Tensor x, const torch::Tensor& mask) {
   // Heads and positions counted from the tensors: under tensor parallelism
-  // (the plan gpt_tensor_parallel_plan) qkv's output holds this rank's heads
+  // (the plan gpt_layers_tensor_parallel_plan) qkv's output holds this rank's heads
   // only, and with sequence parallelism x holds this rank's positions while
   // qkv's output holds all of them. The head width is the model's: in the 2D
   // and 3D modes x holds a block of the features too.
@@ -85,35 +85,6 @@ torch::Tensor run_block(GptBlockImpl* block, const torch::Tensor& x, const torch
 
 }  // namespace
 
-GptImpl::GptImpl(const GptConfig& c) : config(c) {
-  STRATA_CHECK(c.dim % c.heads == 0, "the model width (", c.dim, ") must be a multiple of the heads (", c.heads, ")");
-  tok = register_module("tok", torch::nn::Embedding(c.vocab, c.dim));
-  pos = register_module("pos", torch::nn::Embedding(c.context, c.dim));
-  for (int i = 0; i < c.layers; ++i) {
-    GptBlock block(c.dim, c.heads);
-    block->attention = c.attention;
-    blocks->push_back(block);
-  }
-  register_module("blocks", blocks);
-  ln = register_module("ln", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.dim})));
-  if (!c.tied_head) head = register_module("head", torch::nn::Linear(torch::nn::LinearOptions(c.dim, c.vocab).bias(false)));
-  init_like_gpt(*this);
-}
-
-torch::Tensor GptImpl::forward(const torch::Tensor& idx) {
-  const int64_t t = idx.size(1);
-  const torch::Tensor mask = causal_mask(t, idx.device());
-  torch::Tensor x =
-      tok->forward(idx) + pos->forward(config.positions ? config.positions(t).to(idx.device()) : positions_of(t, idx.device()));
-  for (const auto& m : *blocks) x = run_block(m->as<GptBlockImpl>(), x, mask, config.checkpoint_blocks, config.offload_blocks);
-  if (head) return head->forward(ln->forward(x));
-  return torch::nn::functional::linear(ln->forward(x), tok->weight);  // output tied to the input embedding
-}
-
-torch::Tensor GptImpl::loss(const torch::Tensor& x, const torch::Tensor& y) {
-  return torch::cross_entropy_loss(forward(x).view({-1, config.vocab}), y.reshape({-1}));
-}
-
 namespace {
 
 struct GptEmbeddingImpl : torch::nn::Module {
@@ -150,14 +121,19 @@ struct GptStageBlockImpl : torch::nn::Module {
 };
 TORCH_MODULE(GptStageBlock);
 
+// The final norm and the output projection: a Linear of its own, or tied
+// to the embedding's table (held, not registered: the embedding owns it).
 struct GptHeadImpl : torch::nn::Module {
   torch::nn::LayerNorm ln{nullptr};
   torch::nn::Linear out{nullptr};
-  GptHeadImpl(int dim, int vocab) {
+  torch::nn::Embedding tied{nullptr};
+  GptHeadImpl(int dim, int vocab, torch::nn::Embedding tok) : tied(std::move(tok)) {
     ln = register_module("ln", torch::nn::LayerNorm(torch::nn::LayerNormOptions({dim})));
-    out = register_module("out", torch::nn::Linear(torch::nn::LinearOptions(dim, vocab).bias(false)));
+    if (!tied) out = register_module("out", torch::nn::Linear(torch::nn::LinearOptions(dim, vocab).bias(false)));
   }
-  torch::Tensor forward(const torch::Tensor& x) { return out->forward(ln->forward(x)); }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return tied ? torch::nn::functional::linear(ln->forward(x), tied->weight) : out->forward(ln->forward(x));
+  }
 };
 TORCH_MODULE(GptHead);
 
@@ -166,37 +142,18 @@ TORCH_MODULE(GptHead);
 torch::nn::Sequential gpt_layers(const GptConfig& c) {
   STRATA_CHECK(c.dim % c.heads == 0, "the model width (", c.dim, ") must be a multiple of the heads (", c.heads, ")");
   torch::nn::Sequential s;
-  s->push_back(GptEmbedding(c.vocab, c.context, c.dim, c.sequence_attention));
+  GptEmbedding embedding(c.vocab, c.context, c.dim, c.sequence_attention);
+  s->push_back(embedding);
   for (int i = 0; i < c.layers; ++i) {
     s->push_back(GptStageBlock(c.dim, c.heads, c.checkpoint_blocks, c.offload_blocks, c.sequence_attention));
   }
-  s->push_back(GptHead(c.dim, c.vocab));
+  s->push_back(GptHead(c.dim, c.vocab, c.tied_head ? embedding->tok : torch::nn::Embedding{nullptr}));
   init_like_gpt(*s);
   return s;
 }
 
 torch::Tensor gpt_loss(const torch::Tensor& logits, const torch::Tensor& y) {
   return torch::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), y.reshape({-1}));
-}
-
-strata::parallel::ParallelPlan gpt_tensor_parallel_plan(bool sequence_parallel) {
-  using strata::parallel::ParallelStyle;
-  // Activations are [batch, time, dim]: the sequence is dimension 1.
-  const auto seq = [&](ParallelStyle s) { return sequence_parallel ? s.along_sequence(1) : s; };
-  strata::parallel::ParallelPlan plan = {
-      {"blocks.*.qkv", seq(ParallelStyle::columnwise(/*fused=*/3))},  // q, k and v: this rank's heads of each
-      {"blocks.*.proj", seq(ParallelStyle::rowwise())},
-      {"blocks.*.up", seq(ParallelStyle::columnwise())},
-      {"blocks.*.down", seq(ParallelStyle::rowwise())},
-      // The output projection is tied to it: logits gathered whole for the loss.
-      {"tok", seq(ParallelStyle::vocab_embedding())}};
-  if (sequence_parallel) {
-    // The norms and the residual stream work on 1/P of the positions each.
-    plan.push_back({"blocks.*.ln*", ParallelStyle::sequence_shard()});
-    plan.push_back({"ln", ParallelStyle::sequence_shard()});
-    plan.push_back({"pos", ParallelStyle::sequence_shard(/*dim=*/0)});  // lookups [time, dim]: this rank's positions
-  }
-  return plan;
 }
 
 strata::parallel::ParallelPlan gpt_layers_tensor_parallel_plan(const GptConfig& c, bool sequence_parallel) {
@@ -208,8 +165,9 @@ strata::parallel::ParallelPlan gpt_layers_tensor_parallel_plan(const GptConfig& 
       {"*.block.proj", seq(ParallelStyle::rowwise())},
       {"*.block.up", seq(ParallelStyle::columnwise())},
       {"*.block.down", seq(ParallelStyle::rowwise())},
-      {"0.tok", seq(ParallelStyle::vocab_embedding(/*gather_tied_logits=*/false))},
-      {head + ".out", seq(ParallelStyle::columnwise(1, /*gather_output=*/true))}};
+      // Tied: the head's projection through the table is column-wise, its logits gathered whole.
+      {"0.tok", seq(ParallelStyle::vocab_embedding(/*gather_tied_logits=*/c.tied_head))}};
+  if (!c.tied_head) plan.push_back({head + ".out", seq(ParallelStyle::columnwise(1, /*gather_output=*/true))});
   if (sequence_parallel) {
     plan.push_back({"*.block.ln*", ParallelStyle::sequence_shard()});
     plan.push_back({head + ".ln", ParallelStyle::sequence_shard()});

@@ -5,7 +5,6 @@
 
 #include <torch/torch.h>
 
-#include <functional>
 #include <string>
 
 #include "strata/parallel/parallelize.h"
@@ -25,19 +24,17 @@ struct GptConfig {
   /// Activation offload per block: each block's saved activations wait in
   /// host memory until its backward (strata::parallel::offload_activations).
   bool offload_blocks = false;
-  /// The output projection tied to the token embedding (false: a head of its
-  /// own, as the model as layers has).
+  /// The output projection tied to the token embedding (false: a head of
+  /// its own). A tied head uses the first layer's table, so the model must
+  /// stay one pipeline stage (a stage cannot use another's parameter), and
+  /// a 2D/2.5D/3D table cannot be a linear layer's weight: those layouts
+  /// take tied_head = false.
   bool tied_head = true;
-  /// Sequence parallelism (examples/gpt --sp): this rank holds some of each
-  /// sequence's positions. `attention` replaces the causal softmax attention
-  /// of q, k, v [batch, heads, local positions, head_dim] (a
-  /// strata::parallel sequence-parallel attention over the group), and
-  /// `positions(local)` gives the global positions of the rank's `local`
-  /// ones for the position embedding. Null: one process, the whole sequence.
-  std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&)> attention;
-  std::function<torch::Tensor(int64_t)> positions;
-  /// The same for the model as layers (gpt_layers): a module, so a
+  /// Sequence parallelism: this rank holds some of each sequence's
+  /// positions. Every block's attention runs through it, and the embedding
+  /// takes the global positions of the rank's own from it; a module, so a
   /// parallel::Trainer finds it (parallel::sequence_attention(mesh, plan)).
+  /// Null: the whole sequence.
   strata::parallel::sequence::Attention sequence_attention{nullptr};
 };
 
@@ -56,41 +53,26 @@ struct GptBlockImpl : torch::nn::Module {
 };
 TORCH_MODULE(GptBlock);
 
-struct GptImpl : torch::nn::Module {
-  explicit GptImpl(const GptConfig& config);
-  /// Logits [batch, time, vocab] for token ids [batch, time]; the output
-  /// projection is tied to the input embedding.
-  torch::Tensor forward(const torch::Tensor& idx);
-  /// Mean cross-entropy of next-byte prediction.
-  torch::Tensor loss(const torch::Tensor& x, const torch::Tensor& y);
-
-  GptConfig config;
-  torch::nn::Embedding tok{nullptr}, pos{nullptr};
-  torch::nn::ModuleList blocks;
-  torch::nn::LayerNorm ln{nullptr};
-  torch::nn::Linear head{nullptr};  // untied only
-};
-TORCH_MODULE(Gpt);
-
-/// The same transformer as a torch::nn::Sequential of layers for pipeline
-/// parallelism (strata::parallel::pipeline): embedding (tokens and
-/// positions), the blocks, and a head (final norm and an output projection of
-/// its own: a pipeline cannot tie it to an embedding on another stage).
-/// Token ids [batch, time] in, logits [batch, time, vocab] out; initialised
-/// as GptImpl's.
+/// The GPT: a torch::nn::Sequential of layers, the one definition every
+/// layout trains (parallel::Trainer cuts it into pipeline stages, splits it by
+/// gpt_layers_tensor_parallel_plan, shards its sequences): layer 0 the
+/// embedding (tokens and positions: "0.tok", "0.pos"), layers 1..L the
+/// blocks ("<i>.block.qkv", ...), layer L + 1 the head (final norm "<L+1>.ln"
+/// and, untied, the output projection "<L+1>.out"). Token ids [batch, time]
+/// in, logits [batch, time, vocab] out. Matrices N(0, 0.02), vectors zero,
+/// LayerNorms as built.
 torch::nn::Sequential gpt_layers(const GptConfig& config);
 /// Mean cross-entropy of next-byte prediction from logits (the pipeline's loss).
 torch::Tensor gpt_loss(const torch::Tensor& logits, const torch::Tensor& y);
 
-/// 1D tensor parallelism for GptImpl, for strata::parallel::parallelize:
-/// Megatron's split (q, k, v and the MLP's first layer column-wise, their
-/// output projections row-wise, the token embedding by vocabulary). The
-/// heads and the vocabulary must divide by the group's size.
-/// `sequence_parallel`: Megatron's sequence parallelism as well, the norms
-/// and the residual stream on 1/P of the positions (the context must divide too).
-strata::parallel::ParallelPlan gpt_tensor_parallel_plan(bool sequence_parallel = false);
-/// The same split for gpt_layers(config) (its names: "0.tok", "<i>.block.qkv",
-/// "<layers + 1>.out"), its head column-wise with the logits gathered whole.
+/// Tensor parallelism for gpt_layers(config), for strata::parallel::parallelize
+/// and a HybridPlan's tensor layers: Megatron's split (q, k, v and the MLP's
+/// first layer column-wise, their output projections row-wise, the token
+/// embedding by vocabulary), the logits gathered whole (a tied head through
+/// the vocabulary embedding, an untied one column-wise). The same plan serves
+/// the 2D, 2.5D and 3D modes (untied only). `sequence_parallel`: Megatron's
+/// sequence parallelism as well, the norms and the residual stream on 1/P of
+/// the positions (the context must divide too).
 strata::parallel::ParallelPlan gpt_layers_tensor_parallel_plan(const GptConfig& config, bool sequence_parallel = false);
 
 int64_t count_parameters(torch::nn::Module& module);
