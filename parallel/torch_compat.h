@@ -17,7 +17,7 @@
 //     TESTING_ONLY_GenericMode exist in both, in the same order around
 //     Autograd, so the operator hook, tensor layouts and lazy init register
 //     the same fallbacks (engine/op_hook.cpp, tensor/placement.cpp,
-//     init/deferred_key.h).
+//     dispatch/deferred_key.h).
 // Private to strata_parallel.
 
 #include <ATen/core/ivalue.h>

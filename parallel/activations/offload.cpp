@@ -14,7 +14,7 @@
 #include <mutex>
 #include <unordered_set>
 
-#include "../init/deferred_key.h"
+#include "../dispatch/deferred_key.h"
 #include "strata/core/error.h"
 #include "strata/core/log.h"
 #include "strata/parallel/activation_checkpoint.h"
@@ -24,7 +24,7 @@ namespace strata::parallel {
 // Note [Offloading a block's activations]
 // LibTorch C++ has no saved-tensor hooks to intercept what autograd keeps,
 // so the block's forward runs with the dispatch key DeferredInit included on
-// the thread (init/deferred_key.h): every operator, and every operator those
+// the thread (dispatch/deferred_key.h): every operator, and every operator those
 // call, passes the key's fallback, which notes the storages of its arguments
 // and of its results. A storage first seen as a result was made inside the
 // block; one first seen as an argument (an input, a parameter, a view of

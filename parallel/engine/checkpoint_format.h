@@ -57,7 +57,7 @@
 #include <utility>
 #include <vector>
 
-#include "context.h"
+#include "../runtime/context.h"
 
 namespace strata::parallel {
 

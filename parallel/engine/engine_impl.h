@@ -27,7 +27,7 @@
 
 #include "../zero/gathers.h"
 #include "../zero/reducer.h"
-#include "context.h"
+#include "../runtime/context.h"
 #include "grad_sink.h"
 #include "param_access.h"
 #include "residency.h"

@@ -7,7 +7,7 @@
 #include <functional>
 #include <vector>
 
-#include "context.h"
+#include "../runtime/context.h"
 
 namespace strata::parallel {
 

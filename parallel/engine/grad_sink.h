@@ -7,7 +7,7 @@
 
 #include <mutex>
 
-#include "context.h"
+#include "../runtime/context.h"
 
 namespace strata::parallel {
 

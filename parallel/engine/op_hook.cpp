@@ -8,8 +8,8 @@
 
 #include "strata/core/error.h"
 #include "strata/core/log.h"
-#include "../tensor/placement.h"
-#include "dispatch_keys.h"
+#include "../dispatch/placement.h"
+#include "../dispatch/dispatch_keys.h"
 
 namespace strata::parallel {
 

@@ -7,7 +7,7 @@
 #include <string>
 #include <unordered_map>
 
-#include "context.h"
+#include "../runtime/context.h"
 
 namespace strata::parallel {
 

@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "context.h"
+#include "../runtime/context.h"
 #include "strata/memory/eviction_policy.h"
 #include "strata/parallel/memory_counter.h"
 

@@ -8,7 +8,7 @@
 
 #include <vector>
 
-#include "context.h"
+#include "../runtime/context.h"
 #include "strata/kernels/optim.h"
 
 namespace strata::parallel {

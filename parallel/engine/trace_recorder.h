@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "context.h"
+#include "../runtime/context.h"
 #include "strata/memory/trace.h"
 #include "strata/parallel/memory_counter.h"
 

@@ -11,8 +11,8 @@
 #include <string>
 #include <unordered_set>
 
-#include "../engine/dispatch_keys.h"
-#include "deferred_key.h"
+#include "../dispatch/dispatch_keys.h"
+#include "../dispatch/deferred_key.h"
 #include "strata/core/error.h"
 #include "strata/core/log.h"
 

@@ -3,7 +3,7 @@
 
 #include <torch/torch.h>
 
-#include "../tensor/group_function.h"
+#include "../comm/group_function.h"
 #include "strata/parallel/communicator.h"
 
 namespace strata::parallel::ring {

@@ -30,7 +30,7 @@
 #include <utility>
 #include <vector>
 
-#include "../tensor/group_function.h"
+#include "../comm/group_function.h"
 #include "ring.h"
 #include "strata/core/error.h"
 

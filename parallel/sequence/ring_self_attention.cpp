@@ -21,7 +21,7 @@
 
 #include "strata/core/error.h"
 #include "strata/parallel/sequence_parallel.h"
-#include "../tensor/group_function.h"
+#include "../comm/group_function.h"
 #include "ring.h"
 
 namespace strata::parallel {

@@ -16,7 +16,7 @@
 #include "strata/core/error.h"
 #include "strata/parallel/sequence_parallel.h"
 #include "strata/parallel/tensor_collectives.h"
-#include "../tensor/group_function.h"
+#include "../comm/group_function.h"
 
 namespace strata::parallel {
 

@@ -15,7 +15,7 @@
 #include "strata/core/error.h"
 #include "strata/parallel/tensor_collectives.h"
 #include "strata/parallel/tensor_parallel.h"
-#include "group_function.h"
+#include "../comm/group_function.h"
 
 namespace strata::parallel {
 

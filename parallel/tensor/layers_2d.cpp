@@ -25,7 +25,7 @@
 #include "strata/parallel/tensor_collectives.h"
 #include "strata/parallel/tensor_parallel.h"
 #include "grid_ops.h"
-#include "group_function.h"
+#include "../comm/group_function.h"
 
 namespace strata::parallel {
 

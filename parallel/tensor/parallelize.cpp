@@ -1,7 +1,7 @@
 // parallelize(): a plan of styles applied to an unmodified module's Linear
 // and Embedding layers (parallelize.h), and the placements that give
 // operators on the split weights their tensor-parallel form (Note
-// [Tensor-parallel operators on unmodified modules] in placement.h).
+// [Tensor-parallel operators on unmodified modules] in parallel/dispatch/placement.h).
 #include "strata/parallel/parallelize.h"
 
 #include <fnmatch.h>
@@ -11,7 +11,7 @@
 #include "strata/core/error.h"
 #include "strata/parallel/tensor_parallel.h"
 #include "parallelize_parts.h"
-#include "placement.h"
+#include "../dispatch/placement.h"
 
 namespace strata::parallel {
 

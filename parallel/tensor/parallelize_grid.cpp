@@ -1,7 +1,7 @@
 // parallelize() in tensor modes 2d, 2.5d and 3d (parallelize.h): the grid
 // layers' arithmetic (grid_ops.h) on an unmodified module's own parameters,
 // through placements (Note [Tensor-parallel operators on unmodified modules]
-// in placement.h). The module's forward runs as written; its linear layers,
+// in parallel/dispatch/placement.h). The module's forward runs as written; its linear layers,
 // norms and embeddings run as Linear2D/LayerNorm2D/... would, on the same
 // parts of the same weights.
 #include <fmt/format.h>

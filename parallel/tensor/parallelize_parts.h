@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "strata/parallel/parallelize.h"
-#include "placement.h"
+#include "../dispatch/placement.h"
 
 namespace strata::parallel::tensor_layout {
 

@@ -11,7 +11,7 @@
 #include <utility>
 #include <vector>
 
-#include "../engine/context.h"
+#include "../runtime/context.h"
 
 namespace strata::parallel {
 

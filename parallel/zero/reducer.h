@@ -9,7 +9,7 @@
 #include <mutex>
 #include <vector>
 
-#include "../engine/context.h"
+#include "../runtime/context.h"
 
 namespace strata::parallel {
 

@@ -3,7 +3,7 @@
 // the first collective, and the gather of a sharded chunk's shards. The
 // gradient reductions are in reducer.h, the parameter gathers in gathers.h.
 
-#include "../engine/context.h"
+#include "../runtime/context.h"
 
 namespace strata::parallel {
 

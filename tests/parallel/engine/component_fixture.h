@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "engine/context.h"
+#include "runtime/context.h"
 #include "engine/residency.h"
 #include "strata/parallel/memory_counter.h"
 

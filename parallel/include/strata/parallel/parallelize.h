@@ -6,7 +6,7 @@
 // forward communicates where the style says: the split parameters carry
 // their layout and the operators that use them (linear, embedding) run in
 // their tensor-parallel form (Note [Tensor-parallel operators on unmodified
-// modules] in parallel/tensor/placement.h), as PyTorch's parallelize_module
+// modules] in parallel/dispatch/placement.h), as PyTorch's parallelize_module
 // does with DTensor. docs/tensor_parallel.md.
 //
 //   auto mesh = DeviceMesh::create(*world, {dp, 1, tp, 1});

@@ -13,7 +13,7 @@
 
 #include "strata/core/error.h"
 #include "strata/parallel/tensor_parallel.h"
-#include "../engine/dispatch_keys.h"
+#include "dispatch_keys.h"
 #include "../torch_compat.h"
 
 namespace strata::parallel {
