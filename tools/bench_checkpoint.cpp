@@ -79,7 +79,8 @@ Measured measure(const examples::GptConfig& mc, const parallel::EngineOptions& e
 
 void run_checkpoint_bench(const CheckpointBenchOptions& o) {
   STRATA_CHECK(o.repeats >= 1, "--repeats must be at least 1");
-  const examples::GptConfig mc = examples::parse_gpt_size(o.size, 64);
+  examples::GptConfig mc = examples::parse_gpt_size(o.size, 64);
+  mc.tied_head = true;  // examples/gpt's default model (one stage)
   const DType precision = parse_dtype(o.precision);
   int64_t params = 0;
   {

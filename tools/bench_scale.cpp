@@ -92,6 +92,7 @@ void run_scale_bench(const ScaleBenchOptions& o) {
   mc.heads = o.heads;
   mc.context = o.context;
   mc.checkpoint_blocks = true;
+  mc.tied_head = true;  // examples/gpt --preset 3b's model
   const double wanted = parse_count(o.params);
   mc.layers = o.layers > 0 ? o.layers
                            : std::max(1, static_cast<int>(std::lround(wanted / (12.0 * o.dim * static_cast<double>(o.dim)))));

@@ -215,7 +215,8 @@ void run_step_bench(const StepBenchOptions& o) {
                "device", "step ms", "ratio", "moved/step", "on demand", "wait ms");
   }
   for (const std::string& size : o.sizes) {
-    const GptConfig mc = examples::parse_gpt_size(size, o.context);
+    GptConfig mc = examples::parse_gpt_size(size, o.context);
+    mc.tied_head = true;  // examples/gpt's default model (one stage)
     const Batches data = make_batches(mc, o, 1);
     std::vector<Row> local;
     local.push_back(run_baseline(mc, data, o));
@@ -273,7 +274,8 @@ void run_stage_bench(const StepBenchOptions& o) {
   mine.nvme_dir += fmt::format("-rank{}", rank);
   std::vector<Row> rows;
   for (const std::string& size : o.sizes) {
-    const GptConfig mc = examples::parse_gpt_size(size, o.context);
+    GptConfig mc = examples::parse_gpt_size(size, o.context);
+    mc.tied_head = true;  // examples/gpt's default model (one stage)
     const Batches data = make_batches(mc, o, 1 + rank);  // each rank's own batches
     std::vector<Row> local;
     comm->barrier()->wait();

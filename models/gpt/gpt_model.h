@@ -26,10 +26,11 @@ struct GptConfig {
   bool offload_blocks = false;
   /// The output projection tied to the token embedding (false: a head of
   /// its own). A tied head uses the first layer's table, so the model must
-  /// stay one pipeline stage (a stage cannot use another's parameter), and
-  /// a 2D/2.5D/3D table cannot be a linear layer's weight: those layouts
-  /// take tied_head = false.
-  bool tied_head = true;
+  /// stay one pipeline stage: cut into stages, the head's stage would use a
+  /// copy of the table that no engine updates. A 2D/2.5D/3D table cannot be
+  /// a linear layer's weight either. So false by default; examples/gpt ties
+  /// it where the layout allows.
+  bool tied_head = false;
   /// Sequence parallelism: this rank holds some of each sequence's
   /// positions. Every block's attention runs through it, and the embedding
   /// takes the global positions of the rank's own from it; a module, so a
