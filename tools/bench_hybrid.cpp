@@ -27,6 +27,19 @@
 //       (kept from forward to backward while the device holds it) ((R-1)/R G
 //       each). When dp is 1 the replica group is the sequence group, and these
 //       bytes count on sp.
+// Activations: the peak of this rank's non-model memory during a step above
+// where it began (the engine's CPU counter, parallel/memory_counter.h: every
+// LibTorch allocation outside the chunks), beside what autograd saves for
+// backward, in fp32, per microbatch of mb = b / microbatches sequences and
+// per block: mb t d (4 + 12/T) (the norms' inputs and outputs, q k v, the
+// attention output, the MLP's two inner activations, those of qkv and the
+// MLP split over tp) plus mb (heads/T) t c for the attention weights (c the
+// keys each query sees: the context, or t for ring attention's blocks), and
+// on the head's stage mb t (2 d + 2 V) (the final norm, the logits and their
+// log-softmax); times the microbatches in flight on this rank (1f1b: p - r,
+// at most the microbatches). The measured peak exceeds it by the transient
+// buffers of backward (each operator's input gradients while its output's
+// are alive) and the collectives' host copies.
 // Model state: what this rank's tiers hold between steps, beside 12 bytes
 // per parameter it trains (fp32 parameter and AdamW's two moments; the
 // gradients are released after each step), the moments sharded over R at
@@ -46,6 +59,7 @@
 #include "strata/core/bytes.h"
 #include "strata/core/error.h"
 #include "strata/parallel/device_mesh.h"
+#include "strata/parallel/memory_counter.h"
 #include "strata/parallel/pipeline.h"
 #include "strata/parallel/plan.h"
 #include "strata/parallel/trainer.h"
@@ -119,6 +133,21 @@ std::array<double, 5> predicted_bytes(const HybridBenchOptions& o, const sp::Hyb
   return b;
 }
 
+// What autograd keeps for backward on this rank at the step's peak (the header's formula).
+double predicted_activations(const HybridBenchOptions& o, const sp::HybridPlan& p, int first, int last, int pipe_rank) {
+  const double T = p.tp.size, S = p.sp.size;
+  const double m = p.pp.size > 1 ? p.pp.microbatches : 1;
+  const double mb = o.batch / m, t = static_cast<double>(o.context) / S, d = o.dim;
+  const double keys = p.sp.mode == sp::sequence::Mode::kRingAttention && S > 1 ? t : o.context;
+  const int blocks = std::min(last, o.layers) - std::max(first, 1) + 1;
+  const bool head = last == o.layers + 1;
+  const double V = examples::GptConfig().vocab;
+  const double per_block = mb * t * d * (4 + 12 / T) + mb * (o.heads / T) * t * keys;
+  const double per_mb = 4 * (blocks * per_block + (head ? mb * t * (2 * d + 2 * V) : 0.0));
+  const double in_flight = p.pp.size > 1 ? std::min(m, static_cast<double>(p.pp.size - pipe_rank)) : 1.0;
+  return per_mb * in_flight;
+}
+
 // Between steps (the gradients are released after each step).
 double predicted_state(const sp::HybridPlan& p, int64_t params) {
   const double R = static_cast<double>(p.dp) * p.sp.size, P = static_cast<double>(params);
@@ -178,8 +207,8 @@ void run_hybrid_bench(const HybridBenchOptions& o) {
     fmt::print("strata bench hybrid: GPT dim {} x {} layers, {} heads, context {}, batch {} per replica, ZeRO {}, {} "
                "ranks; per step, the rank that sends most on each axis: measured / predicted\n",
                o.dim, o.layers, o.heads, o.context, o.batch, o.zero_stage, n);
-    fmt::print("{:<22} {:>19} {:>19} {:>19} {:>19} {:>21} {:>9} {:>9}\n", "layout", "dp", "pp", "tp", "sp",
-               "state/rank", "step ms", "1 proc");
+    fmt::print("{:<22} {:>19} {:>19} {:>19} {:>19} {:>21} {:>21} {:>9} {:>9}\n", "layout", "dp", "pp", "tp", "sp",
+               "state/rank", "activations/rank", "step ms", "1 proc");
   }
   for (const auto& dims : layouts(n)) {
     sp::HybridPlan plan;
@@ -218,26 +247,33 @@ void run_hybrid_bench(const HybridBenchOptions& o) {
     const torch::Tensor x = torch::randint(0, 256, {o.batch, o.context});
     std::vector<double> times;
     std::array<double, 5> sent{};
+    sp::NonModelCounter& memory = sp::cpu_non_model_counter();
+    double activations = 0;
     for (int s = 0; s <= o.steps; ++s) {
       counting.take();
+      const uint64_t before = memory.current();
+      memory.reset_peak();
       const double secs = seconds([&] { trainer.step(x, x, examples::gpt_loss); });
+      const uint64_t peak = memory.peak();
       const auto b = counting.take();
       if (s == 0) continue;  // warm-up: the first step agrees shapes and plans
+      activations = std::max(activations, peak > before ? static_cast<double>(peak - before) : 0.0);
       times.push_back(secs);
       for (int a = 0; a < 5; ++a) sent[a] += static_cast<double>(b[a]) / o.steps;
     }
     const sp::RankReport report = trainer.report();
     const auto want = predicted_bytes(o, plan, first, last, report.parameters);
     const double state_want = predicted_state(plan, report.parameters);
+    const double act_want = predicted_activations(o, plan, first, last, mesh.coord(sp::DeviceMesh::kPipeline));
     // Every rank's figures to rank 0: per axis the rank that sends most.
-    std::vector<double> mine = {median(times), static_cast<double>(report.held_bytes), state_want};
+    std::vector<double> mine = {median(times), static_cast<double>(report.held_bytes), state_want, activations, act_want};
     for (int a = 0; a < 4; ++a) {
       mine.push_back(sent[a]);
       mine.push_back(want[a]);
     }
     const std::vector<double> all = sp::all_gather_values(*world, mine);
     const size_t k = mine.size();
-    double step = 0, state = 0, state_pred = 0;
+    double step = 0, state = 0, state_pred = 0, act = 0, act_pred = 0;
     std::array<double, 4> axis{}, axis_pred{};
     for (int r = 0; r < n; ++r) {
       const double* v = &all[r * k];
@@ -246,10 +282,14 @@ void run_hybrid_bench(const HybridBenchOptions& o) {
         state = v[1];
         state_pred = v[2];
       }
+      if (v[3] >= act) {
+        act = v[3];
+        act_pred = v[4];
+      }
       for (int a = 0; a < 4; ++a) {
-        if (v[3 + 2 * a] >= axis[a]) {
-          axis[a] = v[3 + 2 * a];
-          axis_pred[a] = v[4 + 2 * a];
+        if (v[5 + 2 * a] >= axis[a]) {
+          axis[a] = v[5 + 2 * a];
+          axis_pred[a] = v[6 + 2 * a];
         }
       }
     }
@@ -260,7 +300,8 @@ void run_hybrid_bench(const HybridBenchOptions& o) {
     if (o.json) {
       nlohmann::json row = {{"layout", name}, {"dims", plan.dims()}, {"step_seconds", step},
                             {"one_process_seconds", one}, {"model_state_bytes", state},
-                            {"predicted_model_state_bytes", state_pred}};
+                            {"predicted_model_state_bytes", state_pred}, {"activation_bytes", act},
+                            {"predicted_activation_bytes", act_pred}};
       for (int a = 0; a < 4; ++a) {
         row[std::string(kAxisNames[a]) + "_bytes"] = axis[a];
         row[std::string(kAxisNames[a]) + "_predicted_bytes"] = axis_pred[a];
@@ -270,10 +311,10 @@ void run_hybrid_bench(const HybridBenchOptions& o) {
       const auto pair = [](double got, double want) {
         return fmt::format("{} / {}", format_bytes(static_cast<uint64_t>(got)), format_bytes(static_cast<uint64_t>(want)));
       };
-      fmt::print("{:<22} {:>19} {:>19} {:>19} {:>19} {:>21} {:>9.1f} {:>9.1f}\n",
+      fmt::print("{:<22} {:>19} {:>19} {:>19} {:>19} {:>21} {:>21} {:>9.1f} {:>9.1f}\n",
                  fmt::format("{}x{}x{}x{}", dims[0], dims[1], dims[2], dims[3]), pair(axis[0], axis_pred[0]),
                  pair(axis[1], axis_pred[1]), pair(axis[2], axis_pred[2]), pair(axis[3], axis_pred[3]),
-                 pair(state, state_pred), step * 1e3, one * 1e3);
+                 pair(state, state_pred), pair(act, act_pred), step * 1e3, one * 1e3);
       std::fflush(stdout);
     }
   }

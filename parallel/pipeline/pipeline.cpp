@@ -10,6 +10,7 @@
 #include <limits>
 #include <map>
 #include <optional>
+#include <unordered_map>
 
 #include "split_backward.h"
 #include "strata/core/error.h"
@@ -175,6 +176,9 @@ struct Pipeline::Impl {
   PipelineOptions options;
   int p = 1, r = 0, v = 1, S = 1, m = 1;
   std::vector<int> bounds;
+  // Note [Parameters across stages]: the other ranks' stages' parameters,
+  // named "<layer>.<name> (stage <s>)"; none may get a gradient here.
+  std::vector<std::pair<std::string, torch::Tensor>> foreign;
   std::shared_ptr<StagesModule> holder = std::make_shared<StagesModule>();
   std::map<int, torch::nn::Sequential> stage_modules;  // by virtual stage
   std::vector<Action> actions;
@@ -580,6 +584,33 @@ Pipeline::Pipeline(torch::nn::Sequential model, std::shared_ptr<Communicator> gr
                  " to ", boundaries[s + 1], "): every stage needs at least one layer");
   }
   d.bounds = boundaries;
+  // Note [Parameters across stages]
+  // Each stage's engine trains the parameters of its own layers. A parameter
+  // two stages hold would train as two copies, and one a layer uses by
+  // reference from another stage (an output projection tied to the token
+  // embedding) as a copy nobody updates: wrong results without an error. The
+  // first is refused here, on every rank alike and before any collective;
+  // the second shows as a gradient on a rank that does not own the
+  // parameter, refused after the step's passes, before its optimizer runs.
+  std::unordered_map<const c10::TensorImpl*, std::pair<int, std::string>> owner;
+  std::vector<bool> mine(d.S, false);
+  for (int c = 0; c < d.v; ++c) mine[c * d.p + d.r] = true;
+  for (int s = 0; s < d.S; ++s) {
+    for (int i = boundaries[s]; i < boundaries[s + 1]; ++i) {
+      for (const auto& item : (model->begin() + i)->ptr()->named_parameters()) {
+        const std::string name = fmt::format("{}.{} (stage {})", i, item.key(), s);
+        const auto [it, fresh] = owner.emplace(item.value().unsafeGetTensorImpl(), std::make_pair(s, name));
+        STRATA_CHECK(fresh || it->second.first == s, "parameter ", name, " is also ", it->second.second,
+                     ": a parameter shared across pipeline stages would train as two copies; cut the model so both "
+                     "layers are on one stage (boundaries), or give each its own");
+        if (fresh && !mine[s] && item.value().requires_grad()) {
+          torch::Tensor p = item.value();
+          p.mutable_grad() = torch::Tensor();
+          d.foreign.emplace_back(name, p);
+        }
+      }
+    }
+  }
   for (int c = 0; c < d.v; ++c) {
     const int s = c * d.p + d.r;
     torch::nn::Sequential seq;
@@ -628,6 +659,12 @@ StepResult Pipeline::step(const torch::Tensor& inputs, const torch::Tensor& targ
     result = e.train_step_passes([&](double scale) {
       const double l = d.run_actions(scale);
       d.end_step();
+      for (const auto& [name, p] : d.foreign) {  // Note [Parameters across stages]
+        STRATA_CHECK(!p.grad().defined(), "pipeline rank ", d.r, "'s stages used parameter ", name,
+                     ", which another stage owns (it got a gradient here): a layer that uses another layer's "
+                     "parameter by reference (an output projection tied to the token embedding) cannot be cut "
+                     "apart from it; keep both on one stage (boundaries), or untie it");
+      }
       return l;
     });
   } catch (...) {

@@ -130,6 +130,32 @@ struct TupleHeadImpl : HeadImpl {
 };
 TORCH_MODULE(TupleHead);
 
+// A head whose projection is the embedding's table (tied), held by
+// reference (used, not registered: the embedding owns it) or registered as
+// its submodule as well. Cut into pipeline stages, both would train wrong
+// without an error; the pipeline refuses them (Note [Parameters across stages]).
+struct TiedHeadImpl : torch::nn::Module {
+  TiedHeadImpl(torch::nn::Embedding table, bool registered) : tok(std::move(table)) {
+    ln = register_module("ln", torch::nn::LayerNorm(torch::nn::LayerNormOptions({kDim})));
+    if (registered) register_module("tok", tok);
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return torch::nn::functional::linear(ln->forward(x), tok->weight); }
+  torch::nn::LayerNorm ln{nullptr};
+  torch::nn::Embedding tok;
+};
+TORCH_MODULE(TiedHead);
+
+torch::nn::Sequential make_tied_model(bool registered) {
+  torch::manual_seed(7);
+  torch::nn::Sequential s;
+  Embed embed(sequence::Attention{nullptr});  // plain attention (Embed(nullptr) would be an empty holder)
+  s->push_back(embed);
+  s->push_back(Block(sequence::Attention{nullptr}));
+  s->push_back(Block(sequence::Attention{nullptr}));
+  s->push_back(TiedHead(embed->tok, registered));
+  return s;
+}
+
 torch::nn::Sequential make_model(const sequence::Attention& a, bool tuple = false) {
   torch::manual_seed(7);
   torch::nn::Sequential s;
@@ -188,7 +214,11 @@ struct Args {
 // collective of its own: no-attention (sp 2, a model without the plan's
 // attention), no-layers (tp 2 without a module plan), grid (tp 4 in mode 2d
 // with a module plan that leaves the linear layers out),
-// zero (engine options asking for another ZeRO stage than the plan's).
+// zero (engine options asking for another ZeRO stage than the plan's),
+// shared-across-stages (a parameter the first and last layers both register,
+// the pipeline cutting them apart), tied-across-stages (the last layer using
+// the first's table by reference: refused on the last stage's rank after the
+// first step's passes; the other ranks then fail at the next collective).
 int refusals(const Args& a) {
   const Rendezvous r = Rendezvous::from_env();
   std::shared_ptr<Communicator> world = make_gloo_communicator(r);
@@ -212,15 +242,27 @@ int refusals(const Args& a) {
     plan.zero_stage = 1;
     o.zero_stage = 3;
     want = "the plan's zero_stage decides";
+  } else if (a.refuse == "shared-across-stages") {
+    plan.pp.size = r.world_size;
+    want = "a parameter shared across pipeline stages would train as two copies";
+  } else if (a.refuse == "tied-across-stages") {
+    plan.pp.size = r.world_size;
+    want = "which another stage owns (it got a gradient here)";
   } else {
-    STRATA_FAIL("unknown --refuse case ", a.refuse, "; choose no-attention, no-layers, grid or zero");
+    STRATA_FAIL("unknown --refuse case ", a.refuse, "; choose no-attention, no-layers, grid, zero, "
+                "shared-across-stages or tied-across-stages");
   }
   plan = plan.validated(r.world_size);
   DeviceMesh mesh = DeviceMesh::create(world, plan.dims());
-  torch::nn::Sequential model = make_model(nullptr);  // plain attention
+  const bool tied = a.refuse == "shared-across-stages" || a.refuse == "tied-across-stages";
+  torch::nn::Sequential model = tied ? make_tied_model(a.refuse == "shared-across-stages") : make_model(nullptr);
   std::string got = "no error";
   try {
     Trainer trainer(model, mesh, plan, OptimizerConfig::from(AdamWConfig{}), o);
+    if (a.refuse == "tied-across-stages") {
+      const auto [x, y] = batch(0, 0, a.batch);
+      trainer.step(x, y, loss_of);
+    }
   } catch (const strata::Error& e) {
     got = e.what();
   }
@@ -228,7 +270,9 @@ int refusals(const Args& a) {
                "\", got: ", got);
   std::printf("rank %d: refused (%s): %s\n", r.rank, a.refuse.c_str(), got.c_str());
   std::fflush(stdout);
-  world->barrier()->wait();  // rank 0 serves the store: no rank leaves while another still forms its groups
+  // Rank 0 serves the store: no rank leaves while another still forms its
+  // groups. Not after a step: the other stages wait in the step's collectives.
+  if (a.refuse != "tied-across-stages") world->barrier()->wait();
   return 0;
 }
 
