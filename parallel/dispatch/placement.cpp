@@ -102,7 +102,7 @@ bool run_placed(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     if (!e || e->transposed) return false;
     const std::vector<c10::IValue> a = take_args(stack, n);
     const at::Tensor w = a[1].toTensor();
-    out = e->placement->linear(a[0].toTensor(), w, [&](const at::Tensor& x) { return at::linear(x, w); },
+    out = e->placement->linear(a[0].toTensor(), [&] { return w; }, [&](const at::Tensor& x) { return at::linear(x, w); },
                                optional_tensor(a[2]));
     STRATA_CHECK(out.has_value(), "a tensor-parallel parameter of this layout cannot be a linear layer's weight");
   } else if (is_op(op, "aten::addmm") || is_op(op, "aten::matmul")) {
@@ -113,7 +113,7 @@ bool run_placed(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     const at::Tensor x = a[addmm ? 1 : 0].toTensor(), wt = a[addmm ? 2 : 1].toTensor();
     STRATA_CHECK(!addmm || (is_one(a[3]) && is_one(a[4])), "addmm with beta or alpha other than 1 on a "
                  "tensor-parallel weight: use a linear layer (F::linear) on it");
-    out = e->placement->linear(x, wt.t(), [&](const at::Tensor& v) { return at::matmul(v, wt); },
+    out = e->placement->linear(x, [&] { return wt.t(); }, [&](const at::Tensor& v) { return at::matmul(v, wt); },
                                addmm ? optional_tensor(a[0]) : c10::nullopt);
     STRATA_CHECK(out.has_value(), "a tensor-parallel parameter of this layout cannot be a linear layer's weight");
   } else if (is_op(op, "aten::layer_norm")) {

@@ -41,12 +41,13 @@ namespace strata::parallel::tensor_layout {
 class Placement {
  public:
   virtual ~Placement() = default;
-  /// y = x W^T (+ bias) with W this parameter: `weight` is this rank's
-  /// part of W [out, in] (autograd reaching the parameter), and
+  /// y = x W^T (+ bias) with W this parameter: `weight()` makes this rank's
+  /// part of W [out, in] (autograd reaching the parameter; LibTorch 1.13's
+  /// path holds W^T, so it costs an operator: call it only when needed), and
   /// `local_product(x')` is x' times it transposed, as the operator would
   /// have computed it; `bias` is the operator's (null: none). Returns the
   /// tensor-parallel result, or nullopt when W is not used so.
-  virtual c10::optional<at::Tensor> linear(const at::Tensor& x, const at::Tensor& weight,
+  virtual c10::optional<at::Tensor> linear(const at::Tensor& x, const std::function<at::Tensor()>& weight,
                                            const std::function<at::Tensor(const at::Tensor&)>& local_product,
                                            const c10::optional<at::Tensor>& bias) const {
     (void)x, (void)weight, (void)local_product, (void)bias;

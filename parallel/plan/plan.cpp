@@ -4,22 +4,17 @@
 
 #include <fmt/format.h>
 
-#include <cmath>
 #include <cstdlib>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
-#include "strata/core/enum_names.h"
 #include "strata/core/error.h"
 #include "strata/parallel/rendezvous.h"
 
 namespace strata::parallel {
 
 namespace {
-
-constexpr EnumName<TensorMode> kTensorModeNames[] = {
-    {TensorMode::k1D, "1d"}, {TensorMode::k2D, "2d"}, {TensorMode::k2_5D, "2.5d"}, {TensorMode::k3D, "3d"}};
 
 using Json = nlohmann::json;
 
@@ -62,25 +57,7 @@ T get(const Json& j, const char* key, const std::string& where, T fallback) {
   }
 }
 
-bool is_square(int n, int* root) {
-  const int q = static_cast<int>(std::lround(std::sqrt(static_cast<double>(n))));
-  *root = q;
-  return q * q == n;
-}
-
-bool is_cube(int n, int* root) {
-  const int d = static_cast<int>(std::lround(std::cbrt(static_cast<double>(n))));
-  *root = d;
-  return d * d * d == n;
-}
-
 }  // namespace
-
-TensorMode parse_tensor_mode(const std::string& name) {
-  return parse_enum(kTensorModeNames, name, "tensor-parallel mode", "choose");
-}
-
-const char* tensor_mode_name(TensorMode mode) { return enum_name(kTensorModeNames, mode); }
 
 ParallelStyle parse_style(const std::string& text) {
   const std::string t = trim(text);
@@ -309,7 +286,7 @@ HybridPlan HybridPlan::validated(int world_size, const ModelShape& shape) const 
   STRATA_CHECK(p.pp.memory_weight >= 0.0 && p.pp.memory_weight <= 1.0, "the pipeline's memory_weight is ",
                p.pp.memory_weight, "; it must be within 0 and 1");
   // Tensor parallelism.
-  int q = 0;
+  const int q = tensor_grid_side(p.tp.mode, p.tp.size, p.tp.depth);
   switch (p.tp.mode) {
     case TensorMode::k1D:
       STRATA_CHECK(p.tp.depth == 1, "tensor depth ", p.tp.depth, " belongs to mode 2.5d; mode 1d has none");
@@ -320,15 +297,15 @@ HybridPlan HybridPlan::validated(int world_size, const ModelShape& shape) const 
       break;
     case TensorMode::k2D:
       STRATA_CHECK(p.tp.depth == 1, "tensor depth ", p.tp.depth, " belongs to mode 2.5d; 2d is one q x q grid");
-      STRATA_CHECK(is_square(p.tp.size, &q), "tp ", p.tp.size, " in mode 2d must be a square (q x q: 4, 9, 16, ..)");
+      STRATA_CHECK(q > 0, "tp ", p.tp.size, " in mode 2d must be a square (q x q: 4, 9, 16, ..)");
       break;
     case TensorMode::k2_5D:
-      STRATA_CHECK(p.tp.depth >= 1 && p.tp.size % p.tp.depth == 0 && is_square(p.tp.size / p.tp.depth, &q),
-                   "tp ", p.tp.size, " in mode 2.5d must be q x q x depth (depth ", p.tp.depth, "): e.g. 8 with depth 2");
+      STRATA_CHECK(q > 0, "tp ", p.tp.size, " in mode 2.5d must be q x q x depth (depth ", p.tp.depth,
+                   "): e.g. 8 with depth 2");
       break;
     case TensorMode::k3D:
       STRATA_CHECK(p.tp.depth == 1, "tensor depth ", p.tp.depth, " belongs to mode 2.5d; 3d is a d x d x d cube");
-      STRATA_CHECK(is_cube(p.tp.size, &q), "tp ", p.tp.size, " in mode 3d must be a cube (d x d x d: 8, 27, ..)");
+      STRATA_CHECK(q > 0, "tp ", p.tp.size, " in mode 3d must be a cube (d x d x d: 8, 27, ..)");
       break;
   }
   if (p.tp.mode != TensorMode::k1D) {

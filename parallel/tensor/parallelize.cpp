@@ -6,14 +6,42 @@
 
 #include <fnmatch.h>
 
+#include <cmath>
+
 #include <unordered_set>
 
+#include "strata/core/enum_names.h"
 #include "strata/core/error.h"
 #include "strata/parallel/tensor_parallel.h"
 #include "parallelize_parts.h"
 #include "../dispatch/placement.h"
 
 namespace strata::parallel {
+
+namespace {
+
+constexpr EnumName<TensorMode> kTensorModeNames[] = {
+    {TensorMode::k1D, "1d"}, {TensorMode::k2D, "2d"}, {TensorMode::k2_5D, "2.5d"}, {TensorMode::k3D, "3d"}};
+
+}  // namespace
+
+TensorMode parse_tensor_mode(const std::string& name) {
+  return parse_enum(kTensorModeNames, name, "tensor-parallel mode", "choose");
+}
+
+const char* tensor_mode_name(TensorMode mode) { return enum_name(kTensorModeNames, mode); }
+
+int tensor_grid_side(TensorMode mode, int size, int depth) {
+  if (size < 1 || depth < 1 || (depth > 1 && mode != TensorMode::k2_5D)) return 0;
+  if (mode == TensorMode::k1D) return size;
+  if (mode == TensorMode::k3D) {
+    const int d = static_cast<int>(std::lround(std::cbrt(static_cast<double>(size))));
+    return d * d * d == size ? d : 0;
+  }
+  if (size % depth != 0) return 0;
+  const int q = static_cast<int>(std::lround(std::sqrt(static_cast<double>(size / depth))));
+  return q * q * depth == size ? q : 0;
+}
 
 namespace tensor_layout {
 
@@ -56,13 +84,15 @@ const char* kind_name(ParallelStyle::Kind k) {
   return "?";
 }
 
-std::vector<int> match_plan(const std::vector<std::string>& names, const ParallelPlan& plan) {
-  std::vector<int> chosen(names.size(), -1);
+std::vector<int> match_plan(const torch::OrderedDict<std::string, std::shared_ptr<torch::nn::Module>>& named,
+                            const ParallelPlan& plan) {
+  std::vector<int> chosen(named.size(), -1);
   std::vector<bool> used(plan.size(), false);
-  for (size_t n = 0; n < names.size(); ++n) {
+  for (size_t n = 0; n < named.size(); ++n) {
+    const std::string& name = named[n].key();
     for (size_t i = 0; i < plan.size(); ++i) {
-      if (!matches(plan[i].first, names[n])) continue;
-      STRATA_CHECK(chosen[n] < 0, "submodule ", names[n], " matches two plan entries, \"", plan[chosen[n]].first,
+      if (!matches(plan[i].first, name)) continue;
+      STRATA_CHECK(chosen[n] < 0, "submodule ", name, " matches two plan entries, \"", plan[chosen[n]].first,
                    "\" and \"", plan[i].first, "\"; make the patterns disjoint");
       chosen[n] = static_cast<int>(i);
       used[i] = true;
@@ -70,9 +100,15 @@ std::vector<int> match_plan(const std::vector<std::string>& names, const Paralle
   }
   for (size_t i = 0; i < plan.size(); ++i) {
     STRATA_CHECK(used[i], "plan entry \"", plan[i].first, "\" matches no submodule of the module; names look like \"",
-                 names.empty() ? std::string("(none)") : names.front(), "\" (named_modules())");
+                 named.is_empty() ? std::string("(none)") : named.begin()->key(), "\" (named_modules())");
   }
   return chosen;
+}
+
+int64_t parameter_elements(torch::nn::Module& module) {
+  int64_t n = 0;
+  for (const auto& p : module.parameters()) n += p.numel();
+  return n;
 }
 
 void check_unsplit(const torch::Tensor& param, const std::string& module) {
@@ -113,7 +149,7 @@ struct ColumnLinear final : Placement {
   bool gather;
   int64_t sequence_dim;  // -1: none
   ColumnLinear(Communicator& g, bool gather_output, int64_t seq) : group(&g), gather(gather_output), sequence_dim(seq) {}
-  c10::optional<torch::Tensor> linear(const torch::Tensor& x, const torch::Tensor& /*weight*/,
+  c10::optional<torch::Tensor> linear(const torch::Tensor& x, const std::function<torch::Tensor()>& /*weight*/,
                                       const Product& local_product,
                                       const c10::optional<torch::Tensor>& bias) const override {
     const torch::Tensor in = sequence_dim >= 0 ? gather_sequence(x, *group, sequence_dim) : copy_to_group(x, *group);
@@ -130,7 +166,7 @@ struct RowLinear final : Placement {
   Communicator* group;
   int64_t local_in, sequence_dim;
   RowLinear(Communicator& g, int64_t in_part, int64_t seq) : group(&g), local_in(in_part), sequence_dim(seq) {}
-  c10::optional<torch::Tensor> linear(const torch::Tensor& x, const torch::Tensor& /*weight*/,
+  c10::optional<torch::Tensor> linear(const torch::Tensor& x, const std::function<torch::Tensor()>& /*weight*/,
                                       const Product& local_product,
                                       const c10::optional<torch::Tensor>& bias) const override {
     const int64_t p = group->world_size();
@@ -153,7 +189,8 @@ struct VocabEmbedding final : Placement {
   int64_t sequence_dim;  // -1: none; else lookups reduce-scattered along it
   VocabEmbedding(Communicator& g, int64_t vocab_begin, bool gather, int64_t seq)
       : group(&g), begin(vocab_begin), gather_logits(gather), sequence_dim(seq) {}
-  c10::optional<torch::Tensor> linear(const torch::Tensor& x, const torch::Tensor& weight, const Product& local_product,
+  c10::optional<torch::Tensor> linear(const torch::Tensor& x, const std::function<torch::Tensor()>& weight,
+                                      const Product& local_product,
                                       const c10::optional<torch::Tensor>& bias) const override {
     return ColumnLinear(*group, gather_logits, sequence_dim).linear(x, weight, local_product, bias);
   }
@@ -307,11 +344,9 @@ Cut plan_cut(torch::nn::Module& m, const std::string& name, const ParallelStyle&
 
 ParallelizeResult parallelize(torch::nn::Module& module, Communicator& group, const ParallelPlan& plan) {
   ParallelizeResult result;
-  for (const auto& p : module.parameters()) result.full_params += p.numel();
+  result.full_params = tensor_layout::parameter_elements(module);
   const auto named = module.named_modules("", /*include_self=*/false);
-  std::vector<std::string> names;
-  for (const auto& item : named) names.push_back(item.key());
-  const std::vector<int> chosen = tensor_layout::match_plan(names, plan);
+  const std::vector<int> chosen = tensor_layout::match_plan(named, plan);
   std::vector<Cut> cuts;
   std::unordered_set<const c10::TensorImpl*> weights;
   size_t at = 0;
@@ -338,7 +373,7 @@ ParallelizeResult parallelize(torch::nn::Module& module, Communicator& group, co
     }
     result.split.push_back(c.name);
   }
-  for (const auto& p : module.parameters()) result.local_params += p.numel();
+  result.local_params = tensor_layout::parameter_elements(module);
   return result;
 }
 

@@ -6,7 +6,6 @@
 // parts of the same weights.
 #include <fmt/format.h>
 
-#include <cmath>
 #include <memory>
 
 #include "strata/core/error.h"
@@ -21,16 +20,6 @@ namespace {
 
 using tensor_layout::Placement;
 using Product = std::function<torch::Tensor(const torch::Tensor&)>;
-
-const char* mode_words(TensorMode mode) {
-  switch (mode) {
-    case TensorMode::k1D: return "1d";
-    case TensorMode::k2D: return "2d";
-    case TensorMode::k2_5D: return "2.5d";
-    case TensorMode::k3D: return "3d";
-  }
-  return "?";
-}
 
 // The grid every placement of one parallelize() call runs on, and the group
 // it splits: alive while any parameter it placed is.
@@ -49,11 +38,11 @@ struct GridLinear final : Placement {
   bool gather;
   GridLinear(std::shared_ptr<Grid> g, Side3D side, bool gather_output)
       : grid(std::move(g)), input_side(side), gather(gather_output) {}
-  c10::optional<torch::Tensor> linear(const torch::Tensor& x, const torch::Tensor& weight, const Product&,
-                                      const c10::optional<torch::Tensor>& bias) const override {
+  c10::optional<torch::Tensor> linear(const torch::Tensor& x, const std::function<torch::Tensor()>& weight,
+                                      const Product&, const c10::optional<torch::Tensor>& bias) const override {
     const torch::Tensor b = gather ? torch::Tensor() : or_none(bias);  // a gathered output's bias is whole
-    torch::Tensor y = grid->square ? grid_ops::linear_2d(x, weight, b, *grid->square)
-                                   : grid_ops::linear_3d(x, weight, b, *grid->cube, input_side);
+    torch::Tensor y = grid->square ? grid_ops::linear_2d(x, weight(), b, *grid->square)
+                                   : grid_ops::linear_3d(x, weight(), b, *grid->cube, input_side);
     if (!gather) return y;
     y = grid->square ? grid_ops::gather_2d(y, *grid->square)
                      : grid_ops::gather_3d(y, *grid->cube, CubeGrid::other(input_side));
@@ -62,18 +51,6 @@ struct GridLinear final : Placement {
     if (y.is_view()) y = y.clone();
     const torch::Tensor whole = or_none(bias);
     return whole.defined() ? y + whole : y;
-  }
-};
-
-// A linear layer's bias block, added apart from the product (LibTorch 1.13's
-// F::linear adds it after the matmul): summed over the ranks of other batch blocks.
-struct GridBiasAdd final : Placement {
-  std::shared_ptr<Grid> grid;
-  Communicator* over;
-  GridBiasAdd(std::shared_ptr<Grid> g, Communicator& across) : grid(std::move(g)), over(&across) {}
-  c10::optional<torch::Tensor> add(const torch::Tensor& self, const torch::Tensor& param, const c10::Scalar& alpha,
-                                   bool in_place) const override {
-    return tensor_layout::SummedAdd(*over).add(self, param, alpha, in_place);
   }
 };
 
@@ -129,7 +106,7 @@ c10::optional<Job> plan_job(torch::nn::Module& m, const std::string& name, int e
                             TensorMode mode, int blocks) {
   const bool cube = mode == TensorMode::k3D;
   const std::string where = fmt::format("submodule {} ({})", name, m.name());
-  const std::string in_mode = fmt::format("in tensor mode {}", mode_words(mode));
+  const std::string in_mode = fmt::format("in tensor mode {}", tensor_mode_name(mode));
   const auto sizes = [&](const std::string& what, const std::string& why) {
     STRATA_CHECK(why.empty(), where, ": ", in_mode, " the grid splits ", what, " into equal blocks, and ", why,
                  ": choose sizes the grid divides, or another mode");
@@ -197,36 +174,26 @@ ParallelizeResult parallelize(torch::nn::Module& module, std::shared_ptr<Communi
   STRATA_CHECK(group != nullptr, "parallelize needs a tensor group");
   const bool cube = mode == TensorMode::k3D;
   STRATA_CHECK(depth == 1 || mode == TensorMode::k2_5D, "depth ", depth, " belongs to tensor mode 2.5d, not ",
-               mode_words(mode));
+               tensor_mode_name(mode));
   if (mode == TensorMode::k1D) return parallelize(module, *group, plan);
-  // The grid's shape, before any collective.
+  // The grid's side, before any collective.
   const int p = group->world_size();
-  int blocks = 0;
-  if (cube) {
-    blocks = static_cast<int>(std::lround(std::cbrt(static_cast<double>(p))));
-    STRATA_CHECK(blocks * blocks * blocks == p, "tensor mode 3d needs d x d x d ranks (8, 27, ...); the tensor group "
-                 "has ", p);
-  } else {
-    STRATA_CHECK(depth >= 1 && p % depth == 0, "tensor mode ", mode_words(mode), " at depth ", depth, " needs a "
-                 "multiple of ", depth, " ranks; the tensor group has ", p);
-    blocks = static_cast<int>(std::lround(std::sqrt(static_cast<double>(p / depth))));
-    STRATA_CHECK(blocks * blocks * depth == p, "tensor mode ", mode_words(mode), " needs q x q",
-                 depth > 1 ? " x depth" : "", " ranks; the tensor group has ", p);
-  }
+  const int blocks = tensor_grid_side(mode, p, depth);
+  STRATA_CHECK(blocks > 0, "tensor mode ", tensor_mode_name(mode), " needs ",
+               cube ? "d x d x d ranks (8, 27, ...)" : depth > 1 ? "q x q x depth ranks" : "q x q ranks",
+               "; the tensor group has ", p, depth > 1 ? fmt::format(" at depth {}", depth) : std::string());
   ParallelizeResult result;
-  for (const auto& param : module.parameters()) result.full_params += param.numel();
+  result.full_params = tensor_layout::parameter_elements(module);
   const auto named = module.named_modules("", /*include_self=*/false);
-  std::vector<std::string> names;
-  for (const auto& item : named) names.push_back(item.key());
-  const std::vector<int> chosen = tensor_layout::match_plan(names, plan);
+  const std::vector<int> chosen = tensor_layout::match_plan(named, plan);
   std::vector<Job> jobs;
   STRATA_CHECK(module.named_parameters(/*recurse=*/false).is_empty(), "the module has parameters of its own; in "
-               "tensor mode ", mode_words(mode), " every parameter must belong to a Linear, LayerNorm or Embedding");
-  for (size_t i = 0; i < names.size(); ++i) {
-    c10::optional<Job> job = plan_job(*named[i].value(), names[i], chosen[i], plan, mode, blocks);
+               "tensor mode ", tensor_mode_name(mode), " every parameter must belong to a Linear, LayerNorm or Embedding");
+  for (size_t i = 0; i < named.size(); ++i) {
+    c10::optional<Job> job = plan_job(*named[i].value(), named[i].key(), chosen[i], plan, mode, blocks);
     if (!job) continue;
     for (const auto& param : job->module->named_parameters(/*recurse=*/false)) {
-      tensor_layout::check_unsplit(param.value(), names[i]);
+      tensor_layout::check_unsplit(param.value(), job->name);
     }
     jobs.push_back(std::move(*job));
   }
@@ -257,8 +224,10 @@ ParallelizeResult parallelize(torch::nn::Module& module, std::shared_ptr<Communi
       if (linear->bias.defined() && !job.style.gather_output) {
         tensor_layout::replace_data(linear->bias, sq ? grid_ops::features_2d_part(linear->bias, *sq, fused, name)
                                                      : grid_ops::linear_3d_bias_part(linear->bias, *cb, side, fused, name));
+        // Added apart from the product too (LibTorch 1.13's F::linear adds it
+        // after the matmul): summed over the ranks of the other batch blocks.
         Communicator& across = sq ? sq->batch() : cb->plane(CubeGrid::piece_axis(side));
-        tensor_layout::place(linear->bias, *group, vector_copies, std::make_shared<GridBiasAdd>(grid, across));
+        tensor_layout::place(linear->bias, *group, vector_copies, std::make_shared<tensor_layout::SummedAdd>(across, grid));
       }
     } else if (job.kind == LayerKind::kNorm) {
       auto* norm = job.module->as<torch::nn::LayerNorm>();
@@ -284,7 +253,7 @@ ParallelizeResult parallelize(torch::nn::Module& module, std::shared_ptr<Communi
     }
     result.split.push_back(name);
   }
-  for (const auto& param : module.parameters()) result.local_params += param.numel();
+  result.local_params = tensor_layout::parameter_elements(module);
   return result;
 }
 

@@ -97,6 +97,14 @@ using ParallelPlan = std::vector<std::pair<std::string, ParallelStyle>>;
 /// Tesseract's 2.5D (a q x q grid at each of `depth` levels) and the 3D cube
 /// (tensor_parallel_2d.h, tensor_parallel_3d.h).
 enum class TensorMode { k1D, k2D, k2_5D, k3D };
+/// By its config-file name: "1d", "2d", "2.5d", "3d"; an unknown name is an
+/// error listing them.
+TensorMode parse_tensor_mode(const std::string& name);
+const char* tensor_mode_name(TensorMode mode);
+/// The grid's side for `size` ranks in `mode`: q of a q x q (2d) or q x q x
+/// `depth` (2.5d) grid, d of a d x d x d cube (3d), `size` in 1d; 0 when
+/// the size does not form that grid (or `depth` does not belong to the mode).
+int tensor_grid_side(TensorMode mode, int size, int depth = 1);
 
 struct ParallelizeResult {
   std::vector<std::string> split;  // the submodules split, by name

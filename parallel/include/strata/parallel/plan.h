@@ -33,9 +33,6 @@
 
 namespace strata::parallel {
 
-/// TensorMode (parallelize.h) by its config-file name: "1d", "2d", "2.5d", "3d".
-TensorMode parse_tensor_mode(const std::string& name);
-const char* tensor_mode_name(TensorMode mode);
 
 /// A style as the config file writes it: "columnwise", "columnwise(fused=3,
 /// gather)", "rowwise", "rowwise(sequence=1)", "vocab_embedding",
