@@ -234,7 +234,15 @@ CheckpointReader::CheckpointReader(std::string dir) : dir_(std::move(dir)) {
 }
 
 void CheckpointReader::verify() const {
-  for (const ManifestFile& f : manifest_.files) {
+  std::vector<std::string> all;
+  for (const ManifestFile& f : manifest_.files) all.push_back(f.name);
+  verify(all);
+}
+
+void CheckpointReader::verify(const std::vector<std::string>& names) const {
+  for (const std::string& name : names) {
+    STRATA_CHECK(has(name), "checkpoint ", dir_, " has no ", name, " in its manifest");
+    const ManifestFile& f = *manifest_.find(name);
     const std::string p = dir_ + "/" + f.name;
     std::error_code ec;
     STRATA_CHECK(fs::exists(p, ec), "checkpoint file ", p, " is missing");

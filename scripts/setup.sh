@@ -31,11 +31,13 @@ step() { printf '\n==> %s\n' "$*"; }
 # What a build and the test suite need, on Debian 12 and in the trixie chroot.
 # libopenblas0-pthread: LibTorch's fp32 matmuls go through libblas.so.3, which
 # is otherwise Debian's unoptimised reference BLAS (about 10x slower here).
+# python3: an independent reader of exported weights (tests/hf_export_check.py).
 build_packages=(
   g++ cmake ninja-build ccache pkg-config
   libtorch-dev libopenblas0-pthread libgloo-dev libhwloc-dev liburing-dev libjemalloc-dev
   nlohmann-json3-dev libcli11-dev libfmt-dev libxxhash-dev
   googletest libgtest-dev libgmock-dev fio fortunes-min libxml2-utils
+  python3
 )
 case "$mode" in
   # The demo needs neither the fuzzer's clang nor the benchmark library.

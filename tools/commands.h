@@ -12,6 +12,8 @@ namespace strata::tools {
 void add_info_command(CLI::App& app);
 void add_bench_command(CLI::App& app);
 void add_trace_command(CLI::App& app);
+/// `strata checkpoint inspect|verify|export`: engine checkpoints offline.
+void add_checkpoint_command(CLI::App& app);
 /// `strata run -n N -- PROGRAM`: local ranks with torchrun's variables.
 void add_run_command(CLI::App& app);
 /// Runs `command` as `n` local ranks, as `strata run -n n` does, their

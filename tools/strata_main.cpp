@@ -1,4 +1,4 @@
-// strata: the command-line tool: info, bench, trace.
+// strata: the command-line tool: info, bench, trace, checkpoint, run.
 #include <cstdio>
 #include <exception>
 
@@ -12,6 +12,7 @@ int main(int argc, char** argv) {
   strata::tools::add_info_command(app);
   strata::tools::add_bench_command(app);
   strata::tools::add_trace_command(app);
+  strata::tools::add_checkpoint_command(app);
   strata::tools::add_run_command(app);
   try {
     app.parse(argc, argv);

@@ -29,6 +29,7 @@ struct Entry {
   Communicator* group = nullptr;
   int copies = 1;
   std::shared_ptr<const Placement> placement;
+  std::shared_ptr<const checkpoint::PartMap> map;  // where the part lies in the whole; null: not said
   bool transposed = false;  // aten::t of a placed parameter (LibTorch 1.13's F::linear), not a parameter itself
 };
 
@@ -93,7 +94,7 @@ bool run_placed(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     forget_expired_locked();
     registry().entries.insert_or_assign(t.unsafeGetTensorImpl(),
                                         Entry{c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()), e->group,
-                                              e->copies, e->placement, true});
+                                              e->copies, e->placement, nullptr, true});
     return true;
   }
   c10::optional<at::Tensor> out;
@@ -157,7 +158,8 @@ void layout_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 
 }  // namespace
 
-void place(const at::Tensor& param, Communicator& group, int copies, std::shared_ptr<const Placement> placement) {
+void place(const at::Tensor& param, Communicator& group, int copies, std::shared_ptr<const Placement> placement,
+           std::optional<checkpoint::PartMap> map) {
   if (placement != nullptr) dispatch_keys::register_fallback_once<&layout_fallback>(kLayoutKey);
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mu);
@@ -165,8 +167,32 @@ void place(const at::Tensor& param, Communicator& group, int copies, std::shared
   const bool keyed = placement != nullptr;
   r.entries.insert_or_assign(param.unsafeGetTensorImpl(),
                              Entry{c10::weak_intrusive_ptr<c10::TensorImpl>(param.getIntrusivePtr()), &group, copies,
-                                   std::move(placement), false});
+                                   std::move(placement),
+                                   map ? std::make_shared<const checkpoint::PartMap>(std::move(*map)) : nullptr,
+                                   false});
   if (keyed) dispatch_keys::add(param.unsafeGetTensorImpl(), kLayoutKey);
+}
+
+checkpoint::PartMap map_of_cut(at::IntArrayRef whole_shape, const Cut& cut) {
+  c10::impl::ExcludeDispatchKeyGuard exclude(kLayoutKey);
+  at::NoGradGuard no_grad;
+  const at::Tensor index = at::arange(c10::multiply_integers(whole_shape), at::kLong).view(whole_shape);
+  const at::Tensor part = cut(index).contiguous();
+  STRATA_CHECK(part.scalar_type() == at::kLong, "a layer's cut of a parameter changed its dtype; a cut only selects");
+  return checkpoint::PartMap::from_indices(whole_shape.vec(), part.data_ptr<int64_t>(), part.numel());
+}
+
+at::Tensor cut_part(const at::Tensor& whole, const Cut& cut, checkpoint::PartMap* map) {
+  *map = map_of_cut(whole.sizes(), cut);
+  at::NoGradGuard no_grad;
+  return cut(whole).clone();
+}
+
+std::optional<checkpoint::PartMap> part_map_of(const at::Tensor& param) {
+  std::lock_guard<std::mutex> lock(registry().mu);
+  const Entry* e = find_locked(param);
+  if (e == nullptr || e->map == nullptr) return std::nullopt;
+  return *e->map;
 }
 
 void restore_placement_key(const at::Tensor& t) {
@@ -178,7 +204,7 @@ void restore_placement_key(const at::Tensor& t) {
 }  // namespace tensor_layout
 
 void mark_split(const torch::Tensor& param, Communicator& group, int copies) {
-  tensor_layout::place(param, group, copies, nullptr);
+  tensor_layout::place(param, group, copies, nullptr, std::nullopt);
 }
 
 Communicator* tensor_group_of(const torch::Tensor& param) {

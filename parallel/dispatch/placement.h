@@ -32,7 +32,9 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 
+#include "strata/checkpoint/part_map.h"
 #include "strata/parallel/communicator.h"
 
 namespace strata::parallel::tensor_layout {
@@ -75,8 +77,22 @@ class Placement {
 
 /// `param` holds this rank's part of a parameter split over `group`,
 /// identical on `copies` ranks of the group (1: a unique slice); `placement`
-/// (may be null) gives operators on it their tensor-parallel form.
-void place(const at::Tensor& param, Communicator& group, int copies, std::shared_ptr<const Placement> placement);
+/// (may be null) gives operators on it their tensor-parallel form; `map`
+/// says where the part lies in the whole parameter (Note [Parts of a whole
+/// parameter] in part_map.h; none: only this layout can load its checkpoints).
+void place(const at::Tensor& param, Communicator& group, int copies, std::shared_ptr<const Placement> placement,
+           std::optional<checkpoint::PartMap> map);
+
+/// How a layer takes its part of a whole parameter: selections only
+/// (narrow, cat, clone, contiguous), which work on any dtype.
+using Cut = std::function<at::Tensor(const at::Tensor&)>;
+/// Where cut(whole) lies in a whole of `whole_shape`: the same cut applied to
+/// the whole's element indices.
+checkpoint::PartMap map_of_cut(at::IntArrayRef whole_shape, const Cut& cut);
+/// cut(whole), cloned, and `map` set to where it lies.
+at::Tensor cut_part(const at::Tensor& whole, const Cut& cut, checkpoint::PartMap* map);
+/// The map place() recorded for `param`, if any.
+std::optional<checkpoint::PartMap> part_map_of(const at::Tensor& param);
 
 /// Puts the layout's dispatch key back on `t` when it has a placement
 /// (after Tensor::set_data).

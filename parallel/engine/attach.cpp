@@ -1,6 +1,7 @@
 // attach and detach: packing an unmodified module's parameters into chunk
 // families, wiring the components, and giving the memory back.
 
+#include <fmt/format.h>
 #include <torch/torch.h>
 
 #include <unordered_set>
@@ -8,6 +9,7 @@
 #include "../zero/sharding.h"
 #include "strata/parallel/lazy_init.h"
 #include "strata/parallel/tensor_parallel.h"
+#include "../dispatch/placement.h"
 #include "engine_impl.h"
 #include "family_stream.h"
 
@@ -47,7 +49,7 @@ Engine::Impl::Impl(torch::nn::Module& module, OptimizerConfig optimizer, EngineO
   options.validate();
   optimizer.validate();
   ctx.comm = std::move(comm);
-  if (!options.init_weights.empty()) import_weights(module, options.init_weights);
+  if (!options.init_weights.empty()) import_weights(module, options);
   ctx.optimizer = std::move(optimizer);
   ctx.options = options;
   ctx.compute = scalar_type_of(options.precision);
@@ -90,6 +92,8 @@ Engine::Impl::Impl(torch::nn::Module& module, OptimizerConfig optimizer, EngineO
 
   // Note [Clipping across the tensor group]: which parameters are slices, and of which group.
   for (ManagedParam& p : ctx.params) {
+    p.whole_name = ctx.options.checkpoint_name ? ctx.options.checkpoint_name(p.name) : p.name;
+    p.part = checkpoint::PartMap::whole(p.shape);
     Communicator* g = tensor_group_of(p.tensor);
     if (g == nullptr) continue;
     STRATA_CHECK(ctx.tensor_group == nullptr || ctx.tensor_group == g, "parameter ", p.name,
@@ -97,6 +101,16 @@ Engine::Impl::Impl(torch::nn::Module& module, OptimizerConfig optimizer, EngineO
                  "layer of one module over the same group");
     ctx.tensor_group = g;
     p.copies = tensor_copies_of(p.tensor);
+    // Note [Checkpoints across layouts]: a part whose layer did not say
+    // where it lies (mark_split alone) is saved under a name of its tensor
+    // rank's, which only the same layout loads.
+    if (std::optional<checkpoint::PartMap> map = tensor_layout::part_map_of(p.tensor)) {
+      STRATA_CHECK(map->part_elems() == p.numel, "parameter ", p.name, " holds ", p.numel, " elements, but its "
+                   "layer's part map ", map->part_elems(), "; its data was replaced after the split");
+      p.part = std::move(*map);
+    } else {
+      p.whole_name += fmt::format("@tensor{}of{}", g->rank(), g->world_size());
+    }
   }
   STRATA_CHECK(ctx.tensor_group == nullptr || ctx.comm == nullptr || ctx.comm.get() != ctx.tensor_group,
                "attach's communicator is the tensor group its layers split parameters over; pass the data-parallel "

@@ -35,8 +35,9 @@ std::vector<std::pair<std::string, at::Generator>> generators(const torch::Devic
   return g;
 }
 
-std::string rng_file(const std::string& stem, int rank) {
-  return rank == 0 ? stem + ".bin" : fmt::format("{}.rank{}.bin", stem, rank);
+std::string rng_file(const std::string& stem, int rank, int part, int parts) {
+  const std::string of_part = parts == 1 ? stem : fmt::format("{}.part{}", stem, part);
+  return rank == 0 ? of_part + ".bin" : fmt::format("{}.rank{}.bin", of_part, rank);
 }
 
 json optimizer_state(const EngineContext& s, int64_t optimizer_steps) {
@@ -64,17 +65,23 @@ SavedState parse_saved_state(const std::string& text, const std::string& path, c
     STRATA_FAIL(path, ": not JSON (", e.what(), ")");
   }
   SavedState v;
+  checkpoint::StateIndex index = checkpoint::parse_state_index(st, path);  // the layout and the parameters
+  v.layout = index.layout;
+  v.precision = index.precision;
+  v.rng_files = std::move(index.rng_files);
+  v.module_state_files = std::move(index.module_state_files);
+  for (checkpoint::SavedParam& p : index.params) {
+    const std::string name = p.name;
+    v.params.emplace(name, std::move(p));
+  }
   v.dampening = s.optimizer.dampening;
   v.nesterov = s.optimizer.nesterov;
   try {
-    STRATA_CHECK(st.at("format") == "strata-engine-state", "not an engine state");
-    v.precision = st.at("precision").get<std::string>();
     v.grad_accumulation = st.at("grad_accumulation").get<int>();
     v.micro_steps = st.at("micro_steps").get<int>();
     v.loss_scale = st.at("loss_scale").get<double>();
     v.clean_steps = st.at("clean_steps").get<int>();
     v.skipped = st.at("skipped_steps").get<int64_t>();
-    v.rng_files = st.at("rng").get<std::vector<std::string>>();
     if (st.contains("optimizer")) {
       const json& o = st.at("optimizer");
       v.optimizer = o.at("kind").get<std::string>();
@@ -97,12 +104,6 @@ SavedState parse_saved_state(const std::string& text, const std::string& path, c
       v.schedule = schedule;
       v.optimizer_steps = o.at("optimizer_steps").get<int64_t>();
       STRATA_CHECK(v.optimizer_steps >= 0, "negative optimizer_steps");
-    }
-    for (const json& p : st.at("parameters")) {
-      SavedState::Param param{p.at("shape").get<std::vector<int64_t>>(), p.at("steps").get<int64_t>(),
-                              p.at("has_grad").get<bool>()};
-      STRATA_CHECK(v.params.emplace(p.at("name").get<std::string>(), param).second, "parameter ", p.at("name"),
-                   " twice");
     }
   } catch (const std::exception& e) {
     STRATA_FAIL(path, ": malformed engine state: ", e.what());

@@ -47,6 +47,30 @@
 // it keeps taking part in the gathers and a final all-reduce tells every
 // rank, so all of them fail at once instead of waiting for a timeout, and
 // the previous checkpoint stays.
+//
+// Note [Checkpoints across layouts]
+// One checkpoint directory serves every layout. Its writers are the data
+// group's rank 0 of each tensor rank of each pipeline stage: part
+// k = pipeline rank x tensor size + tensor rank, of tensor x pipeline parts.
+// Each writes its files (master.part<k>.safetensors and so on; one part
+// keeps the names above) into the lead's temporary directory (part 0's: the
+// lead makes it, and its path travels along the pipeline and each tensor
+// group), every parameter under its checkpoint name (the model's own,
+// without the pipeline's "stage<s>.": EngineOptions::checkpoint_name) and
+// only the parts its tensor group's lower ranks do not hold already. The
+// parts' file lists and pieces travel back to the lead, which writes
+// state.json (the layout, and per parameter its whole shape and each piece's
+// part and part map: Note [Parts of a whole parameter]) and commits the
+// directory once, atomically, when every part was written; then every rank
+// learns whether it was (the failure flag reduced over the data group, the
+// tensor group and the pipeline). load() under any layout: each rank finds
+// its parameters by checkpoint name, checks the whole shapes and that the
+// pieces cover every element it holds, verifies the files it reads, then
+// reads for each chunk its elements' overlaps with the saved pieces, so
+// nothing is assembled whole and each rank reads its own elements only. The
+// RNG states are each rank's when the layout is the same, else the first
+// rank's. A part whose layer did not say where it lies (mark_split without a
+// map) is saved as <name>@tensor<r>of<P>, which only the same layout loads.
 
 #include <torch/torch.h>
 
@@ -58,11 +82,15 @@
 #include <vector>
 
 #include "../runtime/context.h"
+#include "strata/checkpoint/engine_state.h"
 
 namespace strata::parallel {
 
 /// The manifest kind of an engine checkpoint.
 inline constexpr const char* kEngineCheckpointKind = "strata-engine";
+
+using checkpoint::part_file;
+using checkpoint::part_map_json;
 
 /// The safetensors name of a chunk dtype.
 std::string st_dtype(DType d);
@@ -70,7 +98,9 @@ std::string st_dtype(DType d);
 /// The RNG states of the CPU generator and, on a GPU, the device's, by file
 /// name stem ("rng_cpu": rng_cpu.bin for rank 0, rng_cpu.rank<R>.bin for rank R).
 std::vector<std::pair<std::string, at::Generator>> generators(const torch::Device& device);
-std::string rng_file(const std::string& stem, int rank);
+/// Data rank `rank`'s state in part `part` of `parts`: <stem>.bin for rank 0
+/// of one part, <stem>[.part<k>][.rank<R>].bin otherwise.
+std::string rng_file(const std::string& stem, int rank, int part = 0, int parts = 1);
 
 /// state.json's "optimizer": the kind, state arrays, each group's
 /// hyper-parameters and the schedule with its position.
@@ -80,12 +110,9 @@ nlohmann::json optimizer_state(const EngineContext& s, int64_t optimizer_steps);
 /// AdamW state and no "optimizer" entry: they read as AdamW with the
 /// engine's own groups, schedule, dampening and nesterov.
 struct SavedState {
-  struct Param {
-    std::vector<int64_t> shape;
-    int64_t steps = 0;
-    bool has_grad = false;
-  };
-  std::unordered_map<std::string, Param> params;
+  std::unordered_map<std::string, checkpoint::SavedParam> params;  // by checkpoint name
+  checkpoint::SavedLayout layout;  // Note [Checkpoints across layouts]
+  std::vector<std::string> module_state_files;
   std::string precision;
   int grad_accumulation = 1, micro_steps = 0, clean_steps = 0;
   int64_t skipped = 0;

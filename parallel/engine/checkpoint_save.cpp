@@ -9,6 +9,7 @@
 #include <exception>
 #include <map>
 #include <optional>
+#include <set>
 
 #include <nlohmann/json.hpp>
 
@@ -53,72 +54,132 @@ torch::Tensor state_value(const torch::Tensor& tensor, torch::ScalarType origina
 }  // namespace
 
 struct Engine::Impl::CheckpointSave {
-  CheckpointSave(Impl& engine, const std::string& whole_dir)
+  CheckpointSave(Impl& engine, const std::string& checkpoint_dir)
       : impl(engine),
         s(engine.ctx),
-        dir(s.tensor_part_dir(whole_dir)),
+        dir(checkpoint_dir),
+        tensor(s.tensor_group != nullptr && s.tensor_group->world_size() > 1 ? s.tensor_group : nullptr),
+        pipe(s.options.pipeline_group != nullptr && s.options.pipeline_group->world_size() > 1
+                 ? s.options.pipeline_group
+                 : nullptr),
+        tensor_size(tensor ? tensor->world_size() : 1),
+        parts(tensor_size * (pipe ? pipe->world_size() : 1)),
+        part((pipe ? pipe->rank() : 0) * tensor_size + (tensor ? tensor->rank() : 0)),
         order(params_in_chunk_order(s)),
         mid(engine.micro_steps % s.options.grad_accumulation != 0),
         mixed(s.options.precision != DType::kFloat32),
-        lead(s.rank == 0),
-        writing(lead) {}
+        writer(s.rank == 0),
+        lead(writer && part == 0),
+        writing(writer) {}
 
   void run() {
     STRATA_CHECK(impl.poisoned.empty(), impl.poisoned);
     STRATA_CHECK(!mid || !s.data_parallel(), "save() after micro-step ",
                  impl.micro_steps % s.options.grad_accumulation, " of ", s.options.grad_accumulation,
                  ": data parallel gradients mid-accumulation are each rank's own; save on an accumulation boundary");
-    if (lead) try {
-      open_outputs();
-    } catch (...) {
-      failed();
+    check_tensor_groups();
+    if (writer) {
+      choose_pieces();
+      open_staging();
+      if (writing) try {
+        open_outputs();
+      } catch (...) {
+        failed();
+      }
     }
     write_families();
-    if (writing && !impl.module_state.empty()) try {
+    if (writing && !impl.module_state.empty() && (tensor == nullptr || tensor->rank() == 0)) try {
       write_module_state();
     } catch (...) {
       failed();
     }
     const std::vector<std::pair<std::string, std::string>> rng = rng_states();
     if (writing) try {
-      write_state_and_commit(rng);
+      finish_part(rng);
     } catch (...) {
       failed();
     }
+    if (writer) gather_and_commit();
     agree();
   }
 
  private:
-  // Data parallel, a write failure on rank 0 must not leave the other ranks
-  // waiting in the next family's gather: rank 0 records it, keeps taking part
-  // in the collectives, and every rank learns of it at the end (agree()).
-  // Called in a catch block; one process rethrows at once.
+  // A rank's write failure must not leave the others waiting in the next
+  // collective: it records it, keeps taking part, and every rank learns of
+  // it at the end (agree()). Called in a catch block; one process rethrows
+  // at once.
   void failed() {
-    if (!s.data_parallel()) throw;
+    if (s.world() == 1 && parts == 1) throw;
     if (!write_failure) write_failure = std::current_exception();
     writing = false;
   }
 
+  // A part's number comes from its tensor and pipeline ranks, so every stage
+  // must know its tensor group (a stage whose layers split nothing does not).
+  void check_tensor_groups() const {
+    if (pipe == nullptr) return;
+    const std::vector<double> sizes = all_gather_values(*pipe, {static_cast<double>(tensor_size)});
+    for (size_t r = 0; r < sizes.size(); ++r) {
+      STRATA_CHECK(static_cast<int>(sizes[r]) == tensor_size, "pipeline rank ", r, "'s stages split parameters over ",
+                   sizes[r], " tensor ranks, pipeline rank ", pipe->rank(), "'s over ", tensor_size,
+                   ": a checkpoint numbers its parts by tensor and pipeline rank, so every stage needs a "
+                   "tensor-parallel layer of the same group (or none at all)");
+    }
+  }
+
+  // Note [Checkpoints across layouts]: ranks of a tensor group holding the
+  // same part (a replicated bias, a 2D norm's block on every row, a 2.5D
+  // weight on every depth) save it once, the lowest tensor rank holding it.
+  void choose_pieces() {
+    writes.assign(s.params.size(), true);
+    if (tensor == nullptr) return;
+    json mine = json::array();
+    for (size_t i : order) mine.push_back({s.params[i].whole_name, part_map_json(s.params[i].part)});
+    const std::vector<std::string> all = all_gather_bytes(*tensor, mine.dump());
+    std::set<std::string> lower;
+    for (int r = 0; r < tensor->rank(); ++r) {
+      for (const json& e : json::parse(all[static_cast<size_t>(r)])) lower.insert(e.dump());
+    }
+    for (size_t k = 0; k < order.size(); ++k) writes[order[k]] = lower.count(mine[k].dump()) == 0;
+  }
+
+  // The lead (part 0's data rank 0) makes the temporary directory every
+  // writer puts its files in; the others learn where it is.
+  void open_staging() {
+    std::string staging;
+    if (lead) try {
+      w.emplace(dir, kEngineCheckpointKind);
+      staging = w->staging_dir();
+    } catch (...) {
+      failed();
+    }
+    // Along the pipeline among tensor rank 0's, then along each tensor group.
+    if (pipe != nullptr && (tensor == nullptr || tensor->rank() == 0)) staging = all_gather_bytes(*pipe, staging)[0];
+    if (tensor != nullptr) staging = all_gather_bytes(*tensor, staging)[0];
+    if (staging.empty()) writing = false;  // the lead could not start: it says why
+    staging_dir = staging;
+  }
+
+  std::string path(const std::string& file) const { return staging_dir + "/" + file; }
+
   void open_outputs() {
     std::vector<SafetensorsWriter::Spec> fp32, compute;
     for (size_t i : order) {
-      fp32.push_back({s.params[i].name, "F32", shape_of(s.params[i].tensor)});
-      compute.push_back({s.params[i].name, st_dtype(s.options.precision), shape_of(s.params[i].tensor)});
+      if (!writes[i]) continue;
+      fp32.push_back({s.params[i].whole_name, "F32", shape_of(s.params[i].tensor)});
+      compute.push_back({s.params[i].whole_name, st_dtype(s.options.precision), shape_of(s.params[i].tensor)});
     }
     const std::vector<std::string> state_names = s.optimizer.state_names();
     fp32_outs = 1 + state_names.size();  // the fp32 values and each optimizer state
-    w.emplace(dir, kEngineCheckpointKind);
-    outs.push_back({"master.safetensors",
-                    std::make_unique<SafetensorsWriter>(w->path("master.safetensors"), fp32,
-                                                        std::map<std::string, std::string>{{"format", "pt"}})});
-    for (const std::string& state : state_names) {
-      const std::string file = state + ".safetensors";
-      outs.push_back({file, std::make_unique<SafetensorsWriter>(w->path(file), fp32)});
-    }
-    if (mixed) {
-      outs.push_back({"param.safetensors", std::make_unique<SafetensorsWriter>(w->path("param.safetensors"), compute)});
-    }
-    if (mid) outs.push_back({"grad.safetensors", std::make_unique<SafetensorsWriter>(w->path("grad.safetensors"), compute)});
+    auto add = [&](const std::string& stem, const std::vector<SafetensorsWriter::Spec>& specs,
+                   std::map<std::string, std::string> metadata = {}) {
+      const std::string file = part_file(stem, part, parts);
+      outs.push_back({file, std::make_unique<SafetensorsWriter>(path(file), specs, std::move(metadata))});
+    };
+    add("master", fp32, {{"format", "pt"}});
+    for (const std::string& state : state_names) add(state, fp32);
+    if (mixed) add("param", compute);
+    if (mid) add("grad", compute);
   }
 
   // What is written per family: the fp32 values, the optimizer state
@@ -133,7 +194,8 @@ struct Engine::Impl::CheckpointSave {
     return chunks;
   }
 
-  // Family by family; sharded members are gathered whole while their family is pinned.
+  // Family by family; sharded members are gathered whole while their family
+  // is pinned (every rank of the data group takes part).
   void write_families() {
     std::vector<std::vector<char>> whole;
     std::vector<const char*> base;
@@ -145,7 +207,7 @@ struct Engine::Impl::CheckpointSave {
     stream_families(
         s, [&](memory::FamilyId f) { return members(f); },
         [&](const ManagedParam& p, const memory::ChunkFamily&) {
-          if (!writing) return;
+          if (!writing || !writes[static_cast<size_t>(&p - s.params.data())]) return;
           try {
             for (size_t k = 0; k < outs.size(); ++k) {
               const size_t esize = k < fp32_outs ? sizeof(float) : s.elem_size();
@@ -177,17 +239,23 @@ struct Engine::Impl::CheckpointSave {
         });
   }
 
-  // Buffers and frozen parameters (rank 0's, as DDP keeps them): one small file.
+  void record(const std::string& file, uint64_t bytes, uint64_t checksum) {
+    files.push_back({{"name", file}, {"bytes", bytes}, {"xxh3_64", checkpoint::hex64(checksum)}});
+  }
+
+  // Buffers and frozen parameters (rank 0's of each stage, as DDP keeps them): one small file.
   void write_module_state() {
     std::vector<SafetensorsWriter::Spec> specs;
-    for (const auto& m : impl.module_state) specs.push_back({m.name, st_dtype_of(m.original), shape_of(m.tensor)});
-    SafetensorsWriter sw(w->path("module_state.safetensors"), specs);
+    auto name_of = [&](const std::string& n) { return s.options.checkpoint_name ? s.options.checkpoint_name(n) : n; };
+    for (const auto& m : impl.module_state) specs.push_back({name_of(m.name), st_dtype_of(m.original), shape_of(m.tensor)});
+    module_state_file = part_file("module_state", part, parts);
+    SafetensorsWriter sw(path(module_state_file), specs);
     for (const auto& m : impl.module_state) {
       const torch::Tensor v = state_value(m.tensor, m.original);
       sw.append(v.data_ptr(), static_cast<size_t>(v.numel()) * v.element_size());
     }
     sw.finish();
-    w->add("module_state.safetensors", sw.bytes(), sw.checksum());
+    record(module_state_file, sw.bytes(), sw.checksum());
   }
 
   // Every rank's generator states (collective when data parallel): file, bytes.
@@ -201,29 +269,82 @@ struct Engine::Impl::CheckpointSave {
       }
       const std::string mine(static_cast<const char*>(state.data_ptr()), static_cast<size_t>(state.numel()));
       const std::vector<std::string> all = s.data_parallel() ? all_gather_bytes(*s.comm, mine) : std::vector{mine};
-      for (size_t r = 0; r < all.size(); ++r) states.emplace_back(rng_file(stem, static_cast<int>(r)), all[r]);
+      for (size_t r = 0; r < all.size(); ++r) {
+        states.emplace_back(rng_file(stem, static_cast<int>(r), part, parts), all[r]);
+      }
     }
     return states;
   }
 
-  void write_state_and_commit(const std::vector<std::pair<std::string, std::string>>& rng_states) {
+  // This writer's files finished, and what they hold.
+  void finish_part(const std::vector<std::pair<std::string, std::string>>& rng_states) {
     for (Out& o : outs) {
       o.w->finish();
-      w->add(o.name, o.w->bytes(), o.w->checksum());
+      record(o.name, o.w->bytes(), o.w->checksum());
     }
-    json rng = json::array();
     for (const auto& [file, bytes] : rng_states) {
-      checkpoint::FileWriter fw(w->path(file));
+      checkpoint::FileWriter fw(path(file));
       fw.write(bytes.data(), bytes.size());
       fw.finish();
-      w->add(file, fw.bytes(), fw.checksum());
+      record(file, fw.bytes(), fw.checksum());
       rng.push_back(file);
     }
-    json params = json::array();
     for (size_t i : order) {
+      if (!writes[i]) continue;
       const ManagedParam& p = s.params[i];
-      params.push_back({{"name", p.name}, {"shape", shape_of(p.tensor)}, {"steps", p.steps}, {"has_grad", p.has_grad}});
+      params.push_back({{"name", p.whole_name}, {"steps", p.steps}, {"has_grad", p.has_grad},
+                        {"map", part_map_json(p.part)}});
     }
+  }
+
+  // Every writer's files and pieces reach the lead (along each tensor group,
+  // then along the pipeline among tensor rank 0's), which writes state.json
+  // and commits when every part was written.
+  void gather_and_commit() {
+    json mine = {{"ok", writing}, {"files", files}, {"params", params}, {"rng", rng},
+                 {"module_state", module_state_file}};
+    std::vector<json> got = {mine};
+    if (tensor != nullptr) {
+      got.clear();
+      for (const std::string& t : all_gather_bytes(*tensor, mine.dump())) got.push_back(json::parse(t));
+    }
+    if (pipe != nullptr && (tensor == nullptr || tensor->rank() == 0)) {
+      const std::vector<std::string> all = all_gather_bytes(*pipe, json(got).dump());
+      got.clear();
+      for (const std::string& t : all) {
+        for (json& j : json::parse(t)) got.push_back(std::move(j));
+      }
+    }
+    if (!lead || !w) return;
+    try {
+      for (const json& g : got) STRATA_CHECK(g.at("ok").get<bool>(), "a rank could not write its part of checkpoint ", dir);
+      write_state_and_commit(got);
+    } catch (...) {
+      failed();
+    }
+  }
+
+  void write_state_and_commit(const std::vector<json>& got) {
+    json rng_files = json::array(), module_files = json::array();
+    std::map<std::string, json> by_name;  // a parameter's entry, its pieces from every part
+    std::vector<std::string> names;
+    for (size_t k = 0; k < got.size(); ++k) {
+      for (const json& f : got[k].at("files")) {
+        w->add(f.at("name"), f.at("bytes").get<uint64_t>(), std::stoull(f.at("xxh3_64").get<std::string>(), nullptr, 16));
+      }
+      for (const json& r : got[k].at("rng")) rng_files.push_back(r);
+      if (!got[k].at("module_state").get<std::string>().empty()) module_files.push_back(got[k].at("module_state"));
+      for (const json& p : got[k].at("params")) {
+        const std::string name = p.at("name");
+        auto [it, fresh] = by_name.try_emplace(name, json{{"name", name}, {"shape", p.at("map").at("whole_shape")},
+                                                         {"steps", p.at("steps")}, {"has_grad", p.at("has_grad")},
+                                                         {"pieces", json::array()}});
+        if (fresh) names.push_back(name);
+        it->second["pieces"].push_back({{"part", static_cast<int>(k)}, {"map", p.at("map")}});
+      }
+    }
+    json list = json::array();
+    for (const std::string& n : names) list.push_back(by_name.at(n));
     const json state = {{"format", "strata-engine-state"},
                         {"precision", dtype_name(s.options.precision)},
                         {"grad_accumulation", s.options.grad_accumulation},
@@ -233,22 +354,29 @@ struct Engine::Impl::CheckpointSave {
                         {"skipped_steps", impl.pipeline->skipped()},
                         {"world_size", s.world()},
                         {"zero_stage", s.stage},
+                        {"layout", {{"tensor", tensor_size}, {"pipeline", parts / tensor_size}}},
                         {"optimizer", optimizer_state(s, impl.pipeline->optimizer_steps())},
-                        {"rng", rng},
-                        {"parameters", params}};
+                        {"rng", rng_files},
+                        {"module_state", module_files},
+                        {"parameters", list}};
     w->write_text("state.json", state.dump(1) + "\n");
     w->commit();
   }
 
-  // Nobody returns (and perhaps loads) before the checkpoint is in place, and
-  // every rank fails when rank 0 could not write it.
+  // Nobody returns (and perhaps loads) before the checkpoint is in place,
+  // and every rank fails when a writer could not write it: the failure flag
+  // is summed over the data group, then the tensor group, then the
+  // pipeline, which together reach every rank.
   void agree() {
-    if (!s.data_parallel()) return;
-    float rank0_failed = write_failure ? 1.0f : 0.0f;
-    s.comm->all_reduce(&rank0_failed, 1, DType::kFloat32, ReduceOp::kMax)->wait();
+    if (s.world() == 1 && parts == 1) return;
+    float any_failed = write_failure ? 1.0f : 0.0f;
+    for (Communicator* g : {s.data_parallel() ? s.comm.get() : nullptr, tensor, pipe}) {
+      if (g != nullptr) g->all_reduce(&any_failed, 1, DType::kFloat32, ReduceOp::kMax)->wait();
+    }
     if (write_failure) std::rethrow_exception(write_failure);
-    STRATA_CHECK(rank0_failed == 0.0f, "rank 0 could not write checkpoint ", dir,
-                 " (its error says why); the previous checkpoint there, if any, is unchanged");
+    STRATA_CHECK(any_failed == 0.0f, parts == 1 ? "rank 0 could not write checkpoint " : "a rank could not write "
+                 "its part of checkpoint ", dir, " (its error says why); the previous checkpoint there, if any, is "
+                 "unchanged");
   }
 
   struct Out {
@@ -259,21 +387,27 @@ struct Engine::Impl::CheckpointSave {
   Impl& impl;
   EngineContext& s;
   const std::string dir;
+  Communicator* const tensor;  // null: no tensor parallelism
+  Communicator* const pipe;    // null: no pipeline
+  const int tensor_size, parts, part;
   const std::vector<size_t> order;
-  const bool mid, mixed, lead;
+  const bool mid, mixed, writer, lead;
   std::exception_ptr write_failure;
   bool writing;
-  std::optional<checkpoint::CheckpointWriter> w;
+  std::vector<bool> writes;  // by parameter: this rank saves its part
+  std::optional<checkpoint::CheckpointWriter> w;  // the lead's
+  std::string staging_dir, module_state_file;
   std::vector<Out> outs;
   size_t fp32_outs = 0;
+  json files = json::array(), params = json::array(), rng = json::array();
 };
 
 void Engine::check_save_target(const std::string& dir) { checkpoint::check_replaceable(dir); }
 void Engine::check_export_target(const std::string& path) { checkpoint::check_writable_file(path); }
 
-void Engine::save(const std::string& whole_dir) {
+void Engine::save(const std::string& dir) {
   Impl::Busy hold(*impl_);
-  Impl::CheckpointSave(*impl_, whole_dir).run();
+  Impl::CheckpointSave(*impl_, dir).run();
 }
 
 }  // namespace strata::parallel

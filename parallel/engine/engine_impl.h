@@ -141,6 +141,6 @@ struct Engine::Impl final : OpObserver {
 
 /// Copies the tensors of a safetensors file into `module`'s parameters,
 /// matched by named_parameters() name (EngineOptions::init_weights).
-void import_weights(torch::nn::Module& module, const std::string& path);
+void import_weights(torch::nn::Module& module, const EngineOptions& options);
 
 }  // namespace strata::parallel

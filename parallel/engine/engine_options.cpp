@@ -66,6 +66,7 @@ EngineOptions EngineOptions::from_env(EngineOptions base) {
                [&](const std::string& v) { o.static_param_fraction = parse_number(v); });
   from_env_var("STRATA_ZERO_STAGE", [&](const std::string& v) { o.zero_stage = static_cast<int>(parse_integer(v)); });
   from_env_var("STRATA_INIT_WEIGHTS", [&](const std::string& v) { o.init_weights = v; });
+  from_env_var("STRATA_INIT_WEIGHTS_NAMES", [&](const std::string& v) { o.init_weights_names = v; });
   from_env_var("STRATA_LOSS_SCALE", [&](const std::string& v) { o.loss_scale.initial = parse_number(v); });
   o.validate();
   return o;

@@ -1,14 +1,20 @@
-// Engine::export_weights and the safetensors import at attach
-// (EngineOptions::init_weights): the module's weights in the ecosystem's format.
+// Engine::export_weights and the weights import at attach
+// (EngineOptions::init_weights: a safetensors file or a Hugging Face
+// directory): the module's weights in the ecosystem's format.
 
 #include <fmt/format.h>
 #include <torch/torch.h>
 
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
 #include <optional>
+#include <unordered_set>
 #include <unistd.h>
 
+#include "../dispatch/placement.h"
 #include "engine_impl.h"
 #include "family_stream.h"
 #include "strata/checkpoint/files.h"
@@ -26,7 +32,7 @@ void Engine::export_weights(const std::string& whole_path) {
   Impl& impl = *impl_;
   Impl::Busy hold(impl);
   EngineContext& s = impl.ctx;
-  const std::string path = s.tensor_part_file(whole_path);  // Note [Checkpoints across tensor ranks]
+  const std::string path = s.tensor_part_file(whole_path);  // Note [Weights across tensor ranks]
   STRATA_CHECK(impl.poisoned.empty(), impl.poisoned);
   const bool lead = s.rank == 0;
   const std::vector<size_t> order = params_in_chunk_order(s);
@@ -79,10 +85,111 @@ void Engine::export_weights(const std::string& whole_path) {
   }
 }
 
-// Copies the tensors of a safetensors file into `module`'s parameters by name.
-void import_weights(torch::nn::Module& module, const std::string& path) {
-  SafetensorsReader r(path);
-  std::shared_ptr<SafetensorsReader> shared;  // for lazy parameters, read later
+namespace {
+
+// Note [Importing weights]
+// EngineOptions::init_weights names a safetensors file, or a directory in
+// Hugging Face's layout (model.safetensors.index.json mapping each tensor to
+// its shard, as `strata checkpoint export --hf` and transformers write).
+// Each parameter is found by its checkpoint name (EngineOptions::
+// checkpoint_name: the model's own under a pipeline), renamed through
+// init_weights_names if given, and takes from the file only the elements
+// this rank holds: a tensor-parallel part reads its part map's runs
+// (Note [Parts of a whole parameter]), so no rank reads a whole tensor it
+// holds a part of. Any floating dtype in the file is converted.
+class WeightSource {
+ public:
+  explicit WeightSource(const std::string& path) : path_(path) {
+    namespace fs = std::filesystem;
+    std::error_code ec;
+    if (!fs::is_directory(path, ec)) {
+      readers_.push_back(std::make_shared<SafetensorsReader>(path));
+      for (const auto& t : readers_[0]->header().tensors) where_[t.name] = 0;
+      return;
+    }
+    const std::string index = (fs::path(path) / "model.safetensors.index.json").string();
+    STRATA_CHECK(fs::exists(index, ec), path, " is a directory without model.safetensors.index.json: give a "
+                 "safetensors file, or a directory in Hugging Face's layout (strata checkpoint export --hf)");
+    nlohmann::json j;
+    try {
+      std::ifstream in(index);
+      j = nlohmann::json::parse(in);
+      std::map<std::string, size_t> shard;
+      for (const auto& [name, file] : j.at("weight_map").items()) {
+        const std::string f = file.get<std::string>();
+        STRATA_CHECK(f.find('/') == std::string::npos, "shard name ", f, " is not a file name");
+        auto [it, fresh] = shard.emplace(f, readers_.size());
+        if (fresh) readers_.push_back(nullptr);  // opened when first read
+        files_.resize(readers_.size());
+        files_[it->second] = (fs::path(path) / f).string();
+        where_[name] = it->second;
+      }
+    } catch (const nlohmann::json::exception& e) {
+      STRATA_FAIL(index, ": not a Hugging Face index (", e.what(), ")");
+    }
+  }
+  const std::string& path() const { return path_; }
+  size_t size() const { return where_.size(); }
+  /// The tensor `name` and its file's reader, or {null, null}.
+  std::pair<std::shared_ptr<SafetensorsReader>, const checkpoint::TensorEntry*> find(const std::string& name) {
+    const auto it = where_.find(name);
+    if (it == where_.end()) return {nullptr, nullptr};
+    std::shared_ptr<SafetensorsReader>& r = readers_[it->second];
+    if (!r) r = std::make_shared<SafetensorsReader>(files_[it->second]);
+    const checkpoint::TensorEntry* e = r->header().find(name);
+    STRATA_CHECK(e != nullptr, r->path(), " has no tensor ", name, ", which ", path_,
+                 "/model.safetensors.index.json says it holds");
+    return {r, e};
+  }
+
+ private:
+  std::string path_;
+  std::vector<std::shared_ptr<SafetensorsReader>> readers_;
+  std::vector<std::string> files_;
+  std::unordered_map<std::string, size_t> where_;
+};
+
+// `names` (a JSON object, model name -> file name; a key ending in '*' maps
+// that prefix to the value's, which then ends in '*' too) applied to `name`.
+std::string renamed(const nlohmann::json& names, const std::string& name) {
+  if (names.contains(name)) return names.at(name).get<std::string>();
+  for (const auto& [from, to] : names.items()) {
+    const std::string f = from, t = to.get<std::string>();
+    if (!f.empty() && f.back() == '*' && !t.empty() && t.back() == '*' && name.rfind(f.substr(0, f.size() - 1), 0) == 0) {
+      return t.substr(0, t.size() - 1) + name.substr(f.size() - 1);
+    }
+  }
+  return name;
+}
+
+nlohmann::json read_names(const std::string& path) {
+  if (path.empty()) return nlohmann::json::object();
+  std::ifstream in(path);
+  STRATA_CHECK(in.good(), "cannot open the name map ", path, " (EngineOptions::init_weights_names)");
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(in);
+  } catch (const nlohmann::json::exception& e) {
+    STRATA_FAIL(path, ": not JSON (", e.what(), ")");
+  }
+  STRATA_CHECK(j.is_object(), path, ": a name map is a JSON object, {\"model name\": \"name in the file\", "
+               "\"prefix.*\": \"other.prefix.*\"}");
+  for (const auto& [from, to] : j.items()) {
+    STRATA_CHECK(to.is_string(), path, ": the name map's value for ", from, " is not a string");
+    const std::string t = to.get<std::string>();
+    STRATA_CHECK((from.back() == '*') == (!t.empty() && t.back() == '*'), path, ": ", from, " -> ", t,
+                 ": a prefix rule ends in '*' on both sides");
+  }
+  return j;
+}
+
+}  // namespace
+
+// Note [Importing weights].
+void import_weights(torch::nn::Module& module, const EngineOptions& options) {
+  WeightSource src(options.init_weights);
+  const nlohmann::json names = read_names(options.init_weights_names);
+  const std::string& path = src.path();
   std::vector<std::string> missing;
   std::unordered_set<std::string> used;
   torch::NoGradGuard no_grad;
@@ -94,48 +201,59 @@ void import_weights(torch::nn::Module& module, const std::string& path) {
   for (const auto& item : module.named_parameters(/*recurse=*/true)) {
     const auto [it, fresh] = index.emplace(item.value().unsafeGetTensorImpl(), tensors.size());
     if (fresh) tensors.push_back({item.value(), {}});
-    tensors[it->second].second.push_back(item.key());
+    const std::string own = options.checkpoint_name ? options.checkpoint_name(item.key()) : item.key();
+    tensors[it->second].second.push_back(renamed(names, own));
   }
-  for (const auto& [dst, names] : tensors) {
+  for (const auto& [dst, file_names] : tensors) {
+    std::shared_ptr<SafetensorsReader> reader;
     const checkpoint::TensorEntry* t = nullptr;
-    for (const std::string& name : names) {
-      if ((t = r.header().find(name)) != nullptr) {
-        used.insert(name);
-        break;
-      }
+    for (const std::string& name : file_names) {
+      std::tie(reader, t) = src.find(name);
+      if (t != nullptr) break;
     }
     if (t == nullptr) {
-      missing.push_back(names.front());
+      missing.push_back(file_names.front());
       continue;
     }
-    for (const std::string& name : names) {
-      if (r.header().find(name) != nullptr) used.insert(name);  // the other names of a tie are not "extra"
+    for (const std::string& name : file_names) {
+      if (src.find(name).second != nullptr) used.insert(name);  // the other names of a tie are not "extra"
     }
-    STRATA_CHECK(t->shape == shape_of(dst), path, ": tensor ", t->name, " is ", shape_str(t->shape),
-                 " but the module's parameter is ", shape_str(shape_of(dst)));
-    const auto read = [entry = *t](SafetensorsReader& from, torch::Tensor& target) {
-      torch::Tensor src = torch::empty(entry.shape, torch::TensorOptions().dtype(torch_dtype(entry.dtype)));
-      from.read(entry, 0, src.data_ptr(), entry.end - entry.begin);
-      target.copy_(src);
+    // This rank's part of the tensor: all of it, or where its layer cut it.
+    const std::optional<checkpoint::PartMap> split = tensor_layout::part_map_of(dst);
+    const checkpoint::PartMap map = split ? *split : checkpoint::PartMap::whole(shape_of(dst));
+    STRATA_CHECK(t->shape == map.whole_shape, reader->path(), ": tensor ", t->name, " is ", shape_str(t->shape),
+                 " but the module's parameter is ", shape_str(map.whole_shape),
+                 split ? " (whole; this rank holds a part)" : "");
+    const torch::ScalarType dtype = torch_dtype(t->dtype);
+    const size_t esize = checkpoint::dtype_bytes(t->dtype);
+    const auto read = [entry = *t, map, dtype, esize](const SafetensorsReader& from, torch::Tensor& target) {
+      const checkpoint::PartMap whole = checkpoint::PartMap::whole(entry.shape);
+      torch::Tensor flat = target.view({-1});
+      for (const checkpoint::Overlap& o : checkpoint::overlaps(map, 0, map.part_elems(), whole)) {
+        torch::Tensor run = torch::empty({o.length}, torch::TensorOptions().dtype(dtype));
+        from.read(entry, static_cast<uint64_t>(o.src) * esize, run.data_ptr(), static_cast<size_t>(o.length) * esize);
+        flat.narrow(0, o.dst, o.length).copy_(run);
+      }
     };
     torch::Tensor target = dst;  // a copy of the handle: copy_ writes the shared tensor
     if (is_lazy(dst)) {
-      // Read as attach materialises the parameter into its chunks, through
-      // one reader for the file (its header parsed once).
-      if (!shared) shared = std::make_shared<SafetensorsReader>(path);
-      defer_fill(dst, [shared, read](torch::Tensor& into) { read(*shared, into); });
+      // Read as attach materialises the parameter into its chunks.
+      defer_fill(dst, [reader, read](torch::Tensor& into) { read(*reader, into); });
     } else {
-      read(r, target);
+      read(*reader, target);
     }
   }
   if (!missing.empty()) {
     std::string list;
     for (size_t i = 0; i < std::min<size_t>(missing.size(), 5); ++i) list += (i ? ", " : "") + missing[i];
     STRATA_FAIL(path, " has no tensor for ", missing.size(), " of the module's parameters (", list,
-                missing.size() > 5 ? ", ..." : "", "); the names must match named_parameters()");
+                missing.size() > 5 ? ", ..." : "", "); the names must match named_parameters(), or give a name map "
+                "(EngineOptions::init_weights_names, STRATA_INIT_WEIGHTS_NAMES)");
   }
-  const size_t extra = r.header().tensors.size() - used.size();
-  if (extra > 0) STRATA_LOG(kWarn, "{}: {} tensors match no parameter of the module and were ignored", path, extra);
+  const size_t extra = src.size() - used.size();
+  if (extra > 0 && options.pipeline_group == nullptr) {  // under a pipeline the other stages take the rest
+    STRATA_LOG(kWarn, "{}: {} tensors match no parameter of the module and were ignored", path, extra);
+  }
 }
 
 }  // namespace strata::parallel

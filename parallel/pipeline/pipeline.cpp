@@ -362,6 +362,7 @@ struct Pipeline::Impl {
   double loss_scale = 1.0;
   const LossFn* loss_fn = nullptr;
   bool training = true;
+  bool model_names = false;  // cut from one model: "stage<s>.<i>..." is the model's "<i>..."
 
   void forward(int s, int mb, std::vector<torch::Tensor>* outputs) {
     Pass pass;
@@ -571,6 +572,7 @@ Pipeline::Pipeline(torch::nn::Sequential model, std::shared_ptr<Communicator> gr
                    std::vector<int> boundaries)
     : impl_(std::make_unique<Impl>(std::move(group), options)) {
   Impl& d = *impl_;
+  d.model_names = true;
   const int layers = static_cast<int>(model->size());
   if (boundaries.empty()) {
     boundaries = partition_balanced(parameter_costs(model), d.S);
@@ -638,6 +640,15 @@ Engine& Pipeline::attach(OptimizerConfig optimizer, EngineOptions options, std::
   Impl& d = *impl_;
   STRATA_CHECK(d.engine == nullptr, "this pipeline is attached already");
   options.pipeline_group = d.group.get();  // also names each stage's trace (TraceRecorder)
+  // Note [Checkpoints across layouts]: parameters by the model's own names,
+  // so that another cut into stages finds them. A manual split's stages
+  // number their layers from 0 each: their names keep the stage.
+  if (d.model_names) {
+    options.checkpoint_name = [](const std::string& name) {
+      const size_t dot = name.find('.');
+      return name.rfind("stage", 0) == 0 && dot != std::string::npos ? name.substr(dot + 1) : name;
+    };
+  }
   d.engine = parallel::attach(*d.holder, std::move(optimizer), std::move(options), std::move(data_parallel));
   return *d.engine;
 }
@@ -703,21 +714,9 @@ torch::Tensor Pipeline::forward(const torch::Tensor& inputs) {
   return d.r == d.p - 1 && !outputs.empty() ? out : torch::Tensor();
 }
 
-void Pipeline::save(const std::string& dir) {
-  namespace fs = std::filesystem;
-  std::error_code ec;
-  if (!fs::exists(dir)) fs::create_directories(dir, ec);
-  STRATA_CHECK(!ec && fs::is_directory(dir), "cannot make the pipeline checkpoint directory ", dir, ": ",
-               ec ? ec.message() : "a file of that name is in the way");
-  engine().save((fs::path(dir) / ("stage-" + std::to_string(impl_->r))).string());
-}
+void Pipeline::save(const std::string& dir) { engine().save(dir); }
 
-void Pipeline::load(const std::string& dir) {
-  const std::string part = (std::filesystem::path(dir) / ("stage-" + std::to_string(impl_->r))).string();
-  STRATA_CHECK(std::filesystem::is_directory(part), "no checkpoint of pipeline rank ", impl_->r, " at ", part,
-               ": load a checkpoint Pipeline::save wrote with the same number of stages");
-  engine().load(part);
-}
+void Pipeline::load(const std::string& dir) { engine().load(dir); }
 
 int Pipeline::rank() const { return impl_->r; }
 int Pipeline::num_ranks() const { return impl_->p; }

@@ -244,18 +244,11 @@ void move_parameters_into_chunks(EngineContext& ctx) {
   }
 }
 
-// Note [Checkpoints across tensor ranks]
+// Note [Weights across tensor ranks]
 // Each rank of a tensor group holds other parts of the split parameters, so
-// each saves its own checkpoint, dir/tensor-<r>-of-<P> (with data
-// parallelism, the data group's rank 0 of each tensor rank writes it), and
-// loads it back into the same layout; another layout finds no part of its
-// name and is told so. Exported weights likewise: one file per tensor rank.
-std::string EngineContext::tensor_part_dir(const std::string& dir) const {
-  if (tensor_group == nullptr || tensor_group->world_size() == 1) return dir;
-  return (std::filesystem::path(dir) / fmt::format("tensor-{}-of-{}", tensor_group->rank(), tensor_group->world_size()))
-      .string();
-}
-
+// export_weights writes one file per tensor rank (with data parallelism, the
+// data group's rank 0 of each). Checkpoints are one directory for every
+// layout instead (Note [Checkpoints across layouts] in checkpoint_format.h).
 std::string EngineContext::tensor_part_file(const std::string& path) const {
   if (tensor_group == nullptr || tensor_group->world_size() == 1) return path;
   const std::filesystem::path p(path);

@@ -21,6 +21,7 @@
 #include <utility>
 #include <vector>
 
+#include "strata/checkpoint/part_map.h"
 #include "strata/core/bytes.h"
 #include "strata/core/error.h"
 #include "strata/core/log.h"
@@ -62,6 +63,11 @@ struct ManagedParam {
   bool has_grad = false;  // a gradient arrived since the last step
   bool constructed_lazily = false;  // lazy at attach (lazy_init.h)
   int copies = 0;         // tensor parallel: ranks of the group holding this part (tensor_copies_of); 0: not split
+  // Checkpoints (Note [Checkpoints across layouts]): the parameter's name
+  // there (EngineOptions::checkpoint_name) and where this rank's elements lie
+  // in the whole parameter (Note [Parts of a whole parameter]).
+  std::string whole_name;
+  checkpoint::PartMap part;
 };
 
 /// A parameter group's hyper-parameters in effect (OptimizerConfig's, with
@@ -98,10 +104,8 @@ struct EngineContext {
   std::function<bool(Tier)> make_room;
 
   bool data_parallel() const { return comm != nullptr && comm->world_size() > 1; }
-  /// Under tensor parallelism, this tensor rank's part of checkpoint `dir`
-  /// (dir/tensor-<r>-of-<P>), or of weight file `path` (<stem>.tensor-<r>-of-<P><ext>):
-  /// Note [Checkpoints across tensor ranks]. Else `dir` and `path` themselves.
-  std::string tensor_part_dir(const std::string& dir) const;
+  /// Under tensor parallelism, this tensor rank's part of weight file `path`
+  /// (<stem>.tensor-<r>-of-<P><ext>: Note [Weights across tensor ranks]); else `path`.
   std::string tensor_part_file(const std::string& path) const;
   /// Whether a parameter's storage may point at its chunk on tier `where`
   /// (Note [Parameters between steps]): the device tier, and on the emulated

@@ -15,6 +15,8 @@
 #include "strata/core/error.h"
 #include "strata/parallel/tensor_collectives.h"
 #include "strata/parallel/tensor_parallel.h"
+
+#include "../dispatch/placement.h"
 #include "../comm/group_function.h"
 
 namespace strata::parallel {
@@ -143,12 +145,13 @@ ColumnParallelLinearImpl::ColumnParallelLinearImpl(int64_t in, int64_t out, Comm
 ColumnParallelLinearImpl::ColumnParallelLinearImpl(const torch::nn::Linear& full, Communicator& g, bool gather)
     : group(&g), gather_output(gather) {
   const auto [begin, end] = slice_of(full->weight.size(0), g, "the output features");
-  torch::NoGradGuard no_grad;
-  weight = register_parameter("weight", full->weight.narrow(0, begin, end - begin).clone());
-  mark_split(weight, g);
+  const tensor_layout::Cut rows = [b = begin, e = end](const torch::Tensor& t) { return t.narrow(0, b, e - b); };
+  checkpoint::PartMap map;
+  weight = register_parameter("weight", tensor_layout::cut_part(full->weight, rows, &map));
+  tensor_layout::place(weight, g, 1, nullptr, map);
   if (full->bias.defined()) {
-    bias = register_parameter("bias", full->bias.narrow(0, begin, end - begin).clone());
-    mark_split(bias, g);
+    bias = register_parameter("bias", tensor_layout::cut_part(full->bias, rows, &map));
+    tensor_layout::place(bias, g, 1, nullptr, map);
   }
 }
 
@@ -163,9 +166,12 @@ RowParallelLinearImpl::RowParallelLinearImpl(int64_t in, int64_t out, Communicat
 RowParallelLinearImpl::RowParallelLinearImpl(const torch::nn::Linear& full, Communicator& g, bool parallel_in)
     : group(&g), input_is_parallel(parallel_in) {
   const auto [begin, end] = slice_of(full->weight.size(1), g, "the input features");
+  checkpoint::PartMap map;
+  weight = register_parameter("weight", tensor_layout::cut_part(full->weight, [b = begin, e = end](const torch::Tensor& t) {
+    return t.narrow(1, b, e - b);
+  }, &map));
+  tensor_layout::place(weight, g, 1, nullptr, map);  // the bias is whole: replicated over the group
   torch::NoGradGuard no_grad;
-  weight = register_parameter("weight", full->weight.narrow(1, begin, end - begin).contiguous());
-  mark_split(weight, g);  // the bias is whole: replicated over the group
   if (full->bias.defined()) bias = register_parameter("bias", full->bias.clone());
 }
 
@@ -180,9 +186,11 @@ VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(int64_t vocab, int64_t di
 
 VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(const torch::nn::Embedding& full, Communicator& g) : group(&g) {
   std::tie(vocab_begin, vocab_end) = slice_of(full->weight.size(0), g, "the vocabulary");
-  torch::NoGradGuard no_grad;
-  weight = register_parameter("weight", full->weight.narrow(0, vocab_begin, vocab_end - vocab_begin).clone());
-  mark_split(weight, g);
+  checkpoint::PartMap map;
+  weight = register_parameter("weight", tensor_layout::cut_part(full->weight, [b = vocab_begin, e = vocab_end](
+                                                                    const torch::Tensor& t) { return t.narrow(0, b, e - b); },
+                                                                &map));
+  tensor_layout::place(weight, g, 1, nullptr, map);
 }
 
 torch::Tensor VocabParallelEmbeddingImpl::forward(const torch::Tensor& ids) {

@@ -25,6 +25,7 @@
 #include "strata/parallel/tensor_collectives.h"
 #include "strata/parallel/tensor_parallel.h"
 #include "grid_ops.h"
+#include "../dispatch/placement.h"
 #include "../comm/group_function.h"
 
 namespace strata::parallel {
@@ -241,27 +242,37 @@ Linear2DImpl::Linear2DImpl(int64_t in, int64_t out, TensorGrid& g, bool with_bia
     : Linear2DImpl(torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(with_bias)), g) {}
 
 Linear2DImpl::Linear2DImpl(const torch::nn::Linear& full, TensorGrid& g) : grid(&g) {
-  weight = register_parameter("weight", grid_ops::linear_2d_part(full->weight, g, 1, "a Linear2D"));
-  mark_split(weight, g.group(), g.depth());
+  checkpoint::PartMap bias_map, weight_map;
+  weight = register_parameter("weight", tensor_layout::cut_part(full->weight, [&](const torch::Tensor& t) {
+    return grid_ops::linear_2d_part(t, g, 1, "a Linear2D");
+  }, &weight_map));
+  tensor_layout::place(weight, g.group(), g.depth(), nullptr, weight_map);
   if (full->bias.defined()) {
-    bias = register_parameter("bias", grid_ops::features_2d_part(full->bias, g, 1, "a Linear2D's bias"));
-    mark_split(bias, g.group(), g.batch_blocks());
+    bias = register_parameter("bias", tensor_layout::cut_part(full->bias, [&](const torch::Tensor& t) {
+      return grid_ops::features_2d_part(t, g, 1, "a Linear2D's bias");
+    }, &bias_map));
+    tensor_layout::place(bias, g.group(), g.batch_blocks(), nullptr, bias_map);
   }
 }
 
 torch::Tensor Linear2DImpl::forward(const torch::Tensor& x) { return grid_ops::linear_2d(x, weight, bias, *grid); }
 
 LayerNorm2DImpl::LayerNorm2DImpl(const torch::nn::LayerNorm& full, TensorGrid& g) : grid(&g) {
+  checkpoint::PartMap bias_map, weight_map;
   const auto& shape = full->options.normalized_shape();
   STRATA_CHECK(shape.size() == 1 && full->options.elementwise_affine(), "LayerNorm2D normalises over the last "
                "dimension with a weight and a bias; this LayerNorm has normalized_shape of ", shape.size(),
                " dimensions", full->options.elementwise_affine() ? "" : " and no affine parameters");
   features = shape[0];
   eps = full->options.eps();
-  weight = register_parameter("weight", grid_ops::features_2d_part(full->weight, g, 1, "a LayerNorm2D"));
-  bias = register_parameter("bias", grid_ops::features_2d_part(full->bias, g, 1, "a LayerNorm2D"));
-  mark_split(weight, g.group(), g.batch_blocks());
-  mark_split(bias, g.group(), g.batch_blocks());
+  weight = register_parameter("weight", tensor_layout::cut_part(full->weight, [&](const torch::Tensor& t) {
+    return grid_ops::features_2d_part(t, g, 1, "a LayerNorm2D");
+  }, &weight_map));
+  bias = register_parameter("bias", tensor_layout::cut_part(full->bias, [&](const torch::Tensor& t) {
+    return grid_ops::features_2d_part(t, g, 1, "a LayerNorm2D");
+  }, &bias_map));
+  tensor_layout::place(weight, g.group(), g.batch_blocks(), nullptr, weight_map);
+  tensor_layout::place(bias, g.group(), g.batch_blocks(), nullptr, bias_map);
 }
 
 torch::Tensor LayerNorm2DImpl::forward(const torch::Tensor& x) {
@@ -269,16 +280,21 @@ torch::Tensor LayerNorm2DImpl::forward(const torch::Tensor& x) {
 }
 
 Embedding2DImpl::Embedding2DImpl(const torch::nn::Embedding& full, TensorGrid& g) : grid(&g) {
-  weight = register_parameter("weight", grid_ops::embedding_2d_part(full->weight, g, "an Embedding2D"));
-  mark_split(weight, g.group(), g.depth());
+  checkpoint::PartMap weight_map;
+  weight = register_parameter("weight", tensor_layout::cut_part(full->weight, [&](const torch::Tensor& t) {
+    return grid_ops::embedding_2d_part(t, g, "an Embedding2D");
+  }, &weight_map));
+  tensor_layout::place(weight, g.group(), g.depth(), nullptr, weight_map);
 }
 
 torch::Tensor Embedding2DImpl::forward(const torch::Tensor& ids) { return grid_ops::embedding_2d(weight, ids, *grid); }
 
 VocabEmbedding2DImpl::VocabEmbedding2DImpl(const torch::nn::Embedding& full, TensorGrid& g) : grid(&g) {
-  weight = register_parameter("weight",
-                              grid_ops::vocab_embedding_2d_part(full->weight, g, &vocab_begin, "a VocabEmbedding2D"));
-  mark_split(weight, g.group(), g.depth());
+  checkpoint::PartMap weight_map;
+  weight = register_parameter("weight", tensor_layout::cut_part(full->weight, [&](const torch::Tensor& t) {
+    return grid_ops::vocab_embedding_2d_part(t, g, &vocab_begin, "a VocabEmbedding2D");
+  }, &weight_map));
+  tensor_layout::place(weight, g.group(), g.depth(), nullptr, weight_map);
 }
 
 torch::Tensor VocabEmbedding2DImpl::forward(const torch::Tensor& ids) {

@@ -25,6 +25,7 @@
 #include "strata/parallel/tensor_collectives.h"
 #include "strata/parallel/tensor_parallel.h"
 #include "grid_ops.h"
+#include "../dispatch/placement.h"
 #include "../comm/group_function.h"
 
 namespace strata::parallel {
@@ -171,11 +172,16 @@ Linear3DImpl::Linear3DImpl(int64_t in, int64_t out, CubeGrid& g, Side3D side, bo
     : Linear3DImpl(torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(with_bias)), g, side) {}
 
 Linear3DImpl::Linear3DImpl(const torch::nn::Linear& full, CubeGrid& g, Side3D side) : grid(&g), input_side(side) {
-  weight = register_parameter("weight", grid_ops::linear_3d_part(full->weight, g, side, 1, "a Linear3D"));
-  mark_split(weight, g.group(), 1);
+  checkpoint::PartMap bias_map, weight_map;
+  weight = register_parameter("weight", tensor_layout::cut_part(full->weight, [&](const torch::Tensor& t) {
+    return grid_ops::linear_3d_part(t, g, side, 1, "a Linear3D");
+  }, &weight_map));
+  tensor_layout::place(weight, g.group(), 1, nullptr, weight_map);
   if (full->bias.defined()) {
-    bias = register_parameter("bias", grid_ops::linear_3d_bias_part(full->bias, g, side, 1, "a Linear3D"));
-    mark_split(bias, g.group(), g.d() * g.d());
+    bias = register_parameter("bias", tensor_layout::cut_part(full->bias, [&](const torch::Tensor& t) {
+      return grid_ops::linear_3d_bias_part(t, g, side, 1, "a Linear3D");
+    }, &bias_map));
+    tensor_layout::place(bias, g.group(), g.d() * g.d(), nullptr, bias_map);
   }
 }
 
@@ -184,15 +190,20 @@ torch::Tensor Linear3DImpl::forward(const torch::Tensor& x) {
 }
 
 LayerNorm3DImpl::LayerNorm3DImpl(const torch::nn::LayerNorm& full, CubeGrid& g, Side3D s) : grid(&g), side(s) {
+  checkpoint::PartMap bias_map, weight_map;
   const auto& shape = full->options.normalized_shape();
   STRATA_CHECK(shape.size() == 1 && full->options.elementwise_affine(), "LayerNorm3D normalises over the last "
                "dimension with a weight and a bias");
   features = shape[0];
   eps = full->options.eps();
-  weight = register_parameter("weight", grid_ops::features_3d_part(full->weight, g, s, "a LayerNorm3D"));
-  bias = register_parameter("bias", grid_ops::features_3d_part(full->bias, g, s, "a LayerNorm3D"));
-  mark_split(weight, g.group(), g.d() * g.d());
-  mark_split(bias, g.group(), g.d() * g.d());
+  weight = register_parameter("weight", tensor_layout::cut_part(full->weight, [&](const torch::Tensor& t) {
+    return grid_ops::features_3d_part(t, g, s, "a LayerNorm3D");
+  }, &weight_map));
+  bias = register_parameter("bias", tensor_layout::cut_part(full->bias, [&](const torch::Tensor& t) {
+    return grid_ops::features_3d_part(t, g, s, "a LayerNorm3D");
+  }, &bias_map));
+  tensor_layout::place(weight, g.group(), g.d() * g.d(), nullptr, weight_map);
+  tensor_layout::place(bias, g.group(), g.d() * g.d(), nullptr, bias_map);
 }
 
 torch::Tensor LayerNorm3DImpl::forward(const torch::Tensor& x) {
@@ -200,8 +211,11 @@ torch::Tensor LayerNorm3DImpl::forward(const torch::Tensor& x) {
 }
 
 Embedding3DImpl::Embedding3DImpl(const torch::nn::Embedding& full, CubeGrid& g, Side3D s) : grid(&g), side(s) {
-  weight = register_parameter("weight", grid_ops::embedding_3d_part(full->weight, g, s, "an Embedding3D"));
-  mark_split(weight, g.group(), 1);
+  checkpoint::PartMap weight_map;
+  weight = register_parameter("weight", tensor_layout::cut_part(full->weight, [&](const torch::Tensor& t) {
+    return grid_ops::embedding_3d_part(t, g, s, "an Embedding3D");
+  }, &weight_map));
+  tensor_layout::place(weight, g.group(), 1, nullptr, weight_map);
 }
 
 torch::Tensor Embedding3DImpl::forward(const torch::Tensor& ids) {

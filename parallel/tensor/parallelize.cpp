@@ -241,6 +241,7 @@ struct Cut {
   ParallelStyle style;
   torch::Tensor weight, bias;
   torch::Tensor new_weight, new_bias;  // this rank's parts
+  checkpoint::PartMap weight_map, bias_map;  // where they lie in the whole (Note [Parts of a whole parameter])
   std::shared_ptr<const Placement> placement;
   bool bias_split = false;
   std::shared_ptr<const Placement> bias_placement;  // a whole bias whose operators change (sequence parallel)
@@ -249,14 +250,21 @@ struct Cut {
 };
 
 // Rows [begin, end) of each of `fused` equal blocks along dim 0, concatenated.
-torch::Tensor fused_rows(const torch::Tensor& t, int fused, Communicator& g, const std::string& what) {
-  const int64_t block = t.size(0) / fused;
-  std::vector<torch::Tensor> parts;
-  for (int k = 0; k < fused; ++k) {
-    const auto [b, e] = slice_of(block, g, what.c_str());
-    parts.push_back(t.narrow(0, k * block + b, e - b));
-  }
-  return torch::cat(parts, 0).contiguous();
+tensor_layout::Cut fused_rows(int fused, Communicator& g, const std::string& what) {
+  return [fused, &g, what](const torch::Tensor& t) {
+    const int64_t block = t.size(0) / fused;
+    std::vector<torch::Tensor> parts;
+    for (int k = 0; k < fused; ++k) {
+      const auto [b, e] = slice_of(block, g, what.c_str());
+      parts.push_back(t.narrow(0, k * block + b, e - b));
+    }
+    return torch::cat(parts, 0);
+  };
+}
+
+// Elements [b, e) of dimension `dim`.
+tensor_layout::Cut narrowed(int64_t dim, int64_t b, int64_t e) {
+  return [=](const torch::Tensor& t) { return t.narrow(dim, b, e - b); };
 }
 
 Cut plan_cut(torch::nn::Module& m, const std::string& name, const ParallelStyle& style, Communicator& g) {
@@ -299,16 +307,18 @@ Cut plan_cut(torch::nn::Module& m, const std::string& name, const ParallelStyle&
         STRATA_CHECK(out % style.fused == 0, where, ": its ", out, " output features are not ", style.fused,
                      " equal fused blocks");
         const std::string what = "the output features of " + name + (style.fused > 1 ? " (per fused block)" : "");
-        c.new_weight = fused_rows(c.weight, style.fused, g, what);
+        c.new_weight = tensor_layout::cut_part(c.weight, fused_rows(style.fused, g, what), &c.weight_map);
         // Gathered output: the bias stays whole, added after the gather.
         c.bias_split = !style.gather_output;
-        if (c.bias.defined() && c.bias_split) c.new_bias = fused_rows(c.bias, style.fused, g, what);
+        if (c.bias.defined() && c.bias_split) {
+          c.new_bias = tensor_layout::cut_part(c.bias, fused_rows(style.fused, g, what), &c.bias_map);
+        }
         c.placement = std::make_shared<ColumnLinear>(g, style.gather_output, seq);
       } else {
         c.weight = embedding->weight;
         STRATA_CHECK(style.fused == 1, where, ": an embedding has no fused blocks");
         const auto [b, e] = slice_of(c.weight.size(1), g, ("the embedding dim of " + name).c_str());
-        c.new_weight = c.weight.narrow(1, b, e - b).contiguous();
+        c.new_weight = tensor_layout::cut_part(c.weight, narrowed(1, b, e), &c.weight_map);
         STRATA_CHECK(seq < 0, where, ": an embedding split by dim takes no sequence dimension");
         c.placement = std::make_shared<ColumnEmbedding>(g, style.gather_output);
       }
@@ -320,7 +330,7 @@ Cut plan_cut(torch::nn::Module& m, const std::string& name, const ParallelStyle&
       c.weight = linear->weight;
       c.bias = linear->bias;  // whole: added once, after the all-reduce
       const auto [b, e] = slice_of(c.weight.size(1), g, ("the input features of " + name).c_str());
-      c.new_weight = c.weight.narrow(1, b, e - b).contiguous();
+      c.new_weight = tensor_layout::cut_part(c.weight, narrowed(1, b, e), &c.weight_map);
       c.placement = std::make_shared<RowLinear>(g, e - b, seq);
       if (seq >= 0 && c.bias.defined()) c.bias_placement = std::make_shared<SummedAdd>(g);
       return c;
@@ -332,7 +342,7 @@ Cut plan_cut(torch::nn::Module& m, const std::string& name, const ParallelStyle&
                    "a split vocabulary cannot do that here");
       c.weight = embedding->weight;
       const auto [b, e] = slice_of(c.weight.size(0), g, ("the vocabulary of " + name).c_str());
-      c.new_weight = c.weight.narrow(0, b, e - b).contiguous();
+      c.new_weight = tensor_layout::cut_part(c.weight, narrowed(0, b, e), &c.weight_map);
       c.placement = std::make_shared<VocabEmbedding>(g, b, style.gather_output, seq);
       return c;
     }
@@ -363,13 +373,19 @@ ParallelizeResult parallelize(torch::nn::Module& module, Communicator& group, co
   }
   // Every check passed: change the module.
   for (Cut& c : cuts) {
+    using checkpoint::PartMap;
     if (!c.keep_shape) tensor_layout::replace_data(c.weight, c.new_weight);
-    tensor_layout::place(c.weight, group, c.copies, c.placement);
-    if (c.keep_shape && c.bias.defined()) mark_split(c.bias, group, c.copies);  // whole: counted once
-    if (c.bias_placement != nullptr) tensor_layout::place(c.bias, group, group.world_size(), c.bias_placement);
+    tensor_layout::place(c.weight, group, c.copies, c.placement,
+                         c.keep_shape ? PartMap::whole(c.weight.sizes().vec()) : c.weight_map);
+    if (c.keep_shape && c.bias.defined()) {  // whole: counted once
+      tensor_layout::place(c.bias, group, c.copies, nullptr, PartMap::whole(c.bias.sizes().vec()));
+    }
+    if (c.bias_placement != nullptr) {
+      tensor_layout::place(c.bias, group, group.world_size(), c.bias_placement, PartMap::whole(c.bias.sizes().vec()));
+    }
     if (c.bias.defined() && c.bias_split) {
       tensor_layout::replace_data(c.bias, c.new_bias);
-      mark_split(c.bias, group);
+      tensor_layout::place(c.bias, group, 1, nullptr, c.bias_map);
     }
     result.split.push_back(c.name);
   }

@@ -217,39 +217,46 @@ ParallelizeResult parallelize(torch::nn::Module& module, std::shared_ptr<Communi
       auto* linear = job.module->as<torch::nn::Linear>();
       const Side3D side = job.style.kind == ParallelStyle::Kind::kColumnwise ? Side3D::kA : Side3D::kB;
       const int fused = job.style.fused;
-      tensor_layout::replace_data(linear->weight, sq ? grid_ops::linear_2d_part(linear->weight, *sq, fused, name)
-                                                     : grid_ops::linear_3d_part(linear->weight, *cb, side, fused, name));
+      checkpoint::PartMap map;
+      tensor_layout::replace_data(linear->weight, tensor_layout::cut_part(linear->weight, [&](const torch::Tensor& t) {
+        return sq ? grid_ops::linear_2d_part(t, *sq, fused, name) : grid_ops::linear_3d_part(t, *cb, side, fused, name);
+      }, &map));
       tensor_layout::place(linear->weight, *group, weight_copies,
-                           std::make_shared<GridLinear>(grid, side, job.style.gather_output));
+                           std::make_shared<GridLinear>(grid, side, job.style.gather_output), map);
       if (linear->bias.defined() && !job.style.gather_output) {
-        tensor_layout::replace_data(linear->bias, sq ? grid_ops::features_2d_part(linear->bias, *sq, fused, name)
-                                                     : grid_ops::linear_3d_bias_part(linear->bias, *cb, side, fused, name));
+        tensor_layout::replace_data(linear->bias, tensor_layout::cut_part(linear->bias, [&](const torch::Tensor& t) {
+          return sq ? grid_ops::features_2d_part(t, *sq, fused, name)
+                    : grid_ops::linear_3d_bias_part(t, *cb, side, fused, name);
+        }, &map));
         // Added apart from the product too (LibTorch 1.13's F::linear adds it
         // after the matmul): summed over the ranks of the other batch blocks.
         Communicator& across = sq ? sq->batch() : cb->plane(CubeGrid::piece_axis(side));
-        tensor_layout::place(linear->bias, *group, vector_copies, std::make_shared<tensor_layout::SummedAdd>(across, grid));
+        tensor_layout::place(linear->bias, *group, vector_copies,
+                             std::make_shared<tensor_layout::SummedAdd>(across, grid), map);
       }
     } else if (job.kind == LayerKind::kNorm) {
       auto* norm = job.module->as<torch::nn::LayerNorm>();
-      for (torch::Tensor* t : {&norm->weight, &norm->bias}) {
-        tensor_layout::replace_data(*t, sq ? grid_ops::features_2d_part(*t, *sq, 1, name)
-                                           : grid_ops::features_3d_part(*t, *cb, Side3D::kA, name));
+      checkpoint::PartMap map;
+      for (torch::Tensor* v : {&norm->weight, &norm->bias}) {
+        tensor_layout::replace_data(*v, tensor_layout::cut_part(*v, [&](const torch::Tensor& t) {
+          return sq ? grid_ops::features_2d_part(t, *sq, 1, name) : grid_ops::features_3d_part(t, *cb, Side3D::kA, name);
+        }, &map));
       }
-      tensor_layout::place(norm->weight, *group, vector_copies, std::make_shared<GridNorm>(grid));
-      mark_split(norm->bias, *group, vector_copies);
+      // The weight and the bias are cut alike.
+      tensor_layout::place(norm->weight, *group, vector_copies, std::make_shared<GridNorm>(grid), map);
+      tensor_layout::place(norm->bias, *group, vector_copies, nullptr, map);
     } else {
       auto* embedding = job.module->as<torch::nn::Embedding>();
       const bool vocab = job.style.kind == ParallelStyle::Kind::kVocabEmbedding;
       int64_t begin = 0;
-      torch::Tensor part;
-      if (cb) {
-        part = grid_ops::embedding_3d_part(embedding->weight, *cb, Side3D::kA, name);
-      } else {
-        part = vocab ? grid_ops::vocab_embedding_2d_part(embedding->weight, *sq, &begin, name)
-                     : grid_ops::embedding_2d_part(embedding->weight, *sq, name);
-      }
+      checkpoint::PartMap map;
+      const torch::Tensor part = tensor_layout::cut_part(embedding->weight, [&](const torch::Tensor& t) {
+        if (cb) return grid_ops::embedding_3d_part(t, *cb, Side3D::kA, name);
+        return vocab ? grid_ops::vocab_embedding_2d_part(t, *sq, &begin, name) : grid_ops::embedding_2d_part(t, *sq, name);
+      }, &map);
       tensor_layout::replace_data(embedding->weight, part);
-      tensor_layout::place(embedding->weight, *group, weight_copies, std::make_shared<GridEmbedding>(grid, vocab, begin));
+      tensor_layout::place(embedding->weight, *group, weight_copies, std::make_shared<GridEmbedding>(grid, vocab, begin),
+                           map);
     }
     result.split.push_back(name);
   }

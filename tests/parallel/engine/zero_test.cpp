@@ -118,7 +118,9 @@ TEST(ZeroReducer, SumsEveryFamilyWhateverOrderTheGradientsArriveIn) {
         const torch::Tensor expected = sum.slice(0, begin - p.offset, end - p.offset);
         EXPECT_TRUE(torch::allclose(torch::from_blob(got.data(), {end - begin}), expected, 1e-6, 1e-6))
             << "rank " << rank << ", parameter " << i << ": not the sum of both ranks' gradients";
-        if (stage >= 2) EXPECT_LT(end - begin, p.numel) << "a reduce-scatter leaves each rank its shard only";
+        if (stage >= 2) {
+          EXPECT_LT(end - begin, p.numel) << "a reduce-scatter leaves each rank its shard only";
+        }
       }
     });
   }

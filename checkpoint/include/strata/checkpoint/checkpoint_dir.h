@@ -77,6 +77,10 @@ class CheckpointWriter {
 
   /// Where file `name` goes (in the temporary directory).
   std::string path(const std::string& name) const;
+  /// The temporary directory itself: other processes writing parts of the
+  /// same checkpoint put their files there, and this writer add()s them
+  /// (a shared filesystem across nodes).
+  const std::string& staging_dir() const { return tmp_; }
   /// Records a finished file (its writer's size and checksum).
   void add(const std::string& name, uint64_t bytes, uint64_t checksum);
   /// Writes a small text file and records it.
@@ -99,6 +103,8 @@ class CheckpointReader {
   const std::string& dir() const { return dir_; }
   /// Every listed file: present, of its size, with its checksum.
   void verify() const;
+  /// The same for the listed files `names` only.
+  void verify(const std::vector<std::string>& names) const;
   /// The path of a listed file; an Error when the manifest does not list it.
   std::string path(const std::string& name) const;
   bool has(const std::string& name) const { return manifest_.find(name) != nullptr; }

@@ -170,14 +170,17 @@ class Engine {
   /// and budgets are not part of it. Data parallel (any ZeRO stage) it is
   /// collective: every rank calls it, sharded state is gathered family by
   /// family, and rank 0 writes (Note [Checkpoints across ranks]). Under
-  /// tensor parallelism each tensor rank saves its parts to
-  /// dir/tensor-<r>-of-<P>, and load() takes them back into the same layout.
+  /// tensor and pipeline parallelism every rank calls it too: the data
+  /// group's rank 0 of each tensor rank of each stage writes its parts, with
+  /// where they lie in the whole parameters, into the one directory, which
+  /// is committed once (Note [Checkpoints across layouts]).
   void save(const std::string& dir);
-  /// Loads a checkpoint saved by save(), under any budgets and placement.
-  /// Every file is verified against the manifest, and the parameter names,
-  /// shapes and dtypes against this engine's, before anything changes.
-  /// Every rank calls it and reads its own part, whatever the ZeRO stage or
-  /// world size the checkpoint was saved with.
+  /// Loads a checkpoint saved by save(), under any budgets and placement,
+  /// and under any layout: another ZeRO stage, data-parallel world, tensor
+  /// mode or size, or cut into pipeline stages. Every rank calls it and
+  /// reads its own elements. The files it reads are verified against the
+  /// manifest, and the parameter names, whole shapes and dtypes against this
+  /// engine's, before anything changes.
   void load(const std::string& dir);
   /// Writes the fp32 weights of every parameter (trainable or frozen) as a
   /// safetensors file named as module.named_parameters() names them.

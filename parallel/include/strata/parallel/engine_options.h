@@ -3,6 +3,7 @@
 // without it. Every option can also come from the environment (from_env).
 
 #include <cstdint>
+#include <functional>
 #include <string>
 
 #include "strata/core/dtype.h"
@@ -86,14 +87,27 @@ struct EngineOptions {
   /// (reduce-scattered); 3 also the parameters (gathered for the operators
   /// that use them, with prefetch). Ignored with one rank (STRATA_ZERO_STAGE).
   int zero_stage = 0;
-  /// A safetensors file whose tensors initialise the module's parameters at
-  /// attach, matched by named_parameters() name (STRATA_INIT_WEIGHTS).
+  /// Weights that initialise the module's parameters at attach: a
+  /// safetensors file, or a directory in Hugging Face's layout (sharded,
+  /// with model.safetensors.index.json), matched by named_parameters() name
+  /// (the model's own under a pipeline); a tensor-parallel rank reads only
+  /// its part (STRATA_INIT_WEIGHTS).
   std::string init_weights;
+  /// A JSON file mapping the module's names to the file's, for models whose
+  /// names differ: {"name": "name in the file", "prefix.*": "other.*"}
+  /// (STRATA_INIT_WEIGHTS_NAMES); empty: the same names.
+  std::string init_weights_names;
   /// Pipeline parallel: the pipeline group, over which the gradient norm
   /// and the overflow flag are summed, so every stage clips by the model's
   /// norm and skips the same steps (pipeline::Pipeline::attach sets it). Not
   /// owned; it must outlive the engine.
   Communicator* pipeline_group = nullptr;
+  /// The name a checkpoint gives parameter `name` (as the attached module's
+  /// named_parameters() names it); null: that name. pipeline::Pipeline::attach
+  /// sets it to the model's own names (without "stage<s>."), so that a
+  /// checkpoint saved under one cut into stages loads under another
+  /// (Note [Checkpoints across layouts]).
+  std::function<std::string(const std::string&)> checkpoint_name;
 
   /// `base` with every option the environment sets replaced:
   /// STRATA_DEVICE_BUDGET, STRATA_HOST_BUDGET, STRATA_NVME_BUDGET (sizes such
@@ -102,7 +116,7 @@ struct EngineOptions {
   /// STRATA_NVME_OPTIM_FRACTION, STRATA_DEVICE_OPTIM_FRACTION, STRATA_LOSS_SCALE (initial scale),
   /// STRATA_TRACE (trace path), STRATA_TRACE_STEPS, STRATA_POLICY,
   /// STRATA_STATIC_PARAM_FRACTION, STRATA_PREFETCH (0 or 1),
-  /// STRATA_DEVICE_CAPACITY, STRATA_INIT_WEIGHTS, STRATA_ZERO_STAGE. A value
+  /// STRATA_DEVICE_CAPACITY, STRATA_INIT_WEIGHTS, STRATA_INIT_WEIGHTS_NAMES, STRATA_ZERO_STAGE. A value
   /// that does not parse is an error naming the variable.
   static EngineOptions from_env(EngineOptions base);
   /// Checks every option; throws strata::Error saying what to change.

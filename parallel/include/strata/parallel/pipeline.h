@@ -93,8 +93,10 @@ class Pipeline {
   /// undefined elsewhere.
   torch::Tensor forward(const torch::Tensor& inputs);
 
-  /// Each stage's engine saves its part to `dir`/stage-<rank> (collective over
-  /// the data-parallel group as Engine::save); load() reads the same layout.
+  /// Engine::save and Engine::load of every stage's engine (collective over
+  /// the pipeline and its data-parallel groups): one checkpoint, its
+  /// parameters under the model's own names, which loads under another cut
+  /// into stages or none (Note [Checkpoints across layouts]).
   void save(const std::string& dir);
   void load(const std::string& dir);
 

@@ -88,8 +88,8 @@ class Trainer {
   /// This rank's positions of a whole batch tensor along plan.sp.dim (the tensor itself without sp).
   torch::Tensor shard(const torch::Tensor& x) const;
 
-  /// Collective checkpoints of this rank's part (Engine::save; a pipeline's
-  /// stages under dir/stage-<r>), loaded back into the same plan.
+  /// Collective checkpoints (Engine::save): one directory, which any other
+  /// plan the model validates under loads (Note [Checkpoints across layouts]).
   void save(const std::string& dir);
   void load(const std::string& dir);
 
