@@ -4,11 +4,13 @@
 # saves, then resumes under AFTER to step 6; every one of the 6 losses must
 # be one process's, trained straight through, within 1e-5 (relative). The
 # layouts change the summation order, so not bit for bit.
-#   gpt_reshard_test.sh STRATA GPT WORKDIR NAME N_BEFORE "BEFORE" N_AFTER "AFTER"
-# N 1 runs the example directly, more under `strata run -n N`. Prints
+#   gpt_reshard_test.sh STRATA GPT WORKDIR NAME N_BEFORE "BEFORE" N_AFTER "AFTER" [convert]
+# N 1 runs the example directly, more under `strata run -n N`. With
+# "convert", the checkpoint goes through `strata checkpoint convert
+# --to-layout single` (offline, one part) before the resume. Prints
 # "gpt reshard: NAME matches one process over 6 steps" when they match.
 set -eu
-strata=$1 gpt=$2 dir=$3 name=$4 n_before=$5 before=$6 n_after=$7 after=$8
+strata=$1 gpt=$2 dir=$3 name=$4 n_before=$5 before=$6 n_after=$7 after=$8 convert=${9:-}
 [ "$before" = none ] && before=""
 [ "$after" = none ] && after=""
 rm -rf "$dir"
@@ -26,8 +28,14 @@ run() {  # run RANKS OUT ARGS...
 }
 run 1 straight --steps 6
 run "$n_before" before --steps 3 --save-every 3 --checkpoint-dir "$dir/ckpt" $before
-run "$n_after" after --steps 6 --resume "$dir/ckpt" $after
-grep -q "resumed from $dir/ckpt at step 4" "$dir/after.txt" || { cat "$dir/after.txt"; echo "gpt reshard: no resume"; exit 1; }
+ckpt="$dir/ckpt"
+if [ "$convert" = convert ]; then
+  "$strata" checkpoint convert "$ckpt" --to-layout single --out "$dir/single"
+  ckpt="$dir/single"
+  "$strata" checkpoint inspect "$ckpt" | grep -q "saved at tp 1 x pp 1" || { echo "gpt reshard: not one part"; exit 1; }
+fi
+run "$n_after" after --steps 6 --resume "$ckpt" $after
+grep -q "resumed from $ckpt at step 4" "$dir/after.txt" || { cat "$dir/after.txt"; echo "gpt reshard: no resume"; exit 1; }
 # "step K loss X", from one process or from rank 0 under the launcher.
 losses() { sed -n 's/^\(\[rank 0\] \)\{0,1\}step \([0-9]*\) loss \([0-9.e+-]*\)$/\2 \3/p' "$1"; }
 losses "$dir/straight.txt" > "$dir/straight.loss"

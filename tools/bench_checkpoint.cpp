@@ -3,8 +3,10 @@
 // half, the rest of the optimizer state on NVMe) and with all state fitting
 // on host, in GB/s of checkpoint written or read, beside the NVMe store's raw
 // write and read throughput over as many bytes in the same directory,
-// measured in the same run. Loads read from the disk: the page cache is told
-// to drop the files first.
+// measured in the same run; and `strata checkpoint export --hf` and
+// `convert --to-layout single` of the checkpoint, in GB/s of tensors
+// written. Loads, exports and conversions read from the disk: the page cache
+// is told to drop the files first.
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <unistd.h>
@@ -106,6 +108,12 @@ void run_checkpoint_bench(const CheckpointBenchOptions& o) {
   rows.push_back(measure(mc, roomy, ckpt, o.repeats));
   rows.back().placement = fmt::format("all state fits on host ({})", format_bytes(roomy.budgets.host));
   const uint64_t bytes = rows.front().bytes;
+  // Offline, from the last checkpoint saved: the export in Hugging Face's
+  // layout and the conversion to one part, each from the disk (page cache dropped).
+  drop_cache(ckpt);
+  const ExportStats exported = export_hf(ckpt, o.dir + "/hf", 1ull << 30, "fp32");
+  drop_cache(ckpt);
+  const ExportStats converted = convert_single(ckpt, o.dir + "/single");
   const auto [store_write, store_read] = nvme_store_gbps(o.dir + "/raw", bytes);
   if (o.json) {
     nlohmann::json j = {{"size", o.size}, {"params", params}, {"precision", o.precision}, {"model_state_bytes", state},
@@ -115,6 +123,10 @@ void run_checkpoint_bench(const CheckpointBenchOptions& o) {
       j["rows"].push_back({{"placement", m.placement}, {"save_seconds", m.save_s}, {"load_seconds", m.load_s},
                            {"save_gbps", m.bytes / m.save_s / 1e9}, {"load_gbps", m.bytes / m.load_s / 1e9}});
     }
+    j["export_hf"] = {{"bytes", exported.bytes}, {"seconds", exported.seconds},
+                      {"gbps", exported.bytes / exported.seconds / 1e9}};
+    j["convert_single"] = {{"bytes", converted.bytes}, {"seconds", converted.seconds},
+                           {"gbps", converted.bytes / converted.seconds / 1e9}};
     fmt::print("{}\n", j.dump(1));
     return;
   }
@@ -127,6 +139,12 @@ void run_checkpoint_bench(const CheckpointBenchOptions& o) {
     fmt::print("{:<58} {:>10.2f} {:>10.3f} {:>10.2f} {:>10.3f}\n", m.placement, m.bytes / m.save_s / 1e9, m.save_s,
                m.bytes / m.load_s / 1e9, m.load_s);
   }
+  fmt::print("{:<58} {:>10.2f} {:>10.3f} {:>10} {:>10}\n",
+             fmt::format("strata checkpoint export --hf (fp32 weights, {})", format_bytes(exported.bytes)),
+             exported.bytes / exported.seconds / 1e9, exported.seconds, "-", "-");
+  fmt::print("{:<58} {:>10.2f} {:>10.3f} {:>10} {:>10}\n",
+             fmt::format("strata checkpoint convert --to-layout single ({})", format_bytes(converted.bytes)),
+             converted.bytes / converted.seconds / 1e9, converted.seconds, "-", "-");
   fmt::print("{:<58} {:>10.2f} {:>10} {:>10.2f} {:>10}\n", "NVMe store, raw (O_DIRECT io_uring, same bytes)",
              store_write, "-", store_read, "-");
   fmt::print("a load reads every file twice: once to verify the checksums, once to load\n");
