@@ -68,8 +68,8 @@
 // pieces cover every element it holds, verifies the files it reads, then
 // reads for each chunk its elements' overlaps with the saved pieces, so
 // nothing is assembled whole and each rank reads its own elements only. The
-// RNG states are each rank's when the layout is the same, else the first
-// rank's. A part whose layer did not say where it lies (mark_split without a
+// RNG states are each rank's when the layout is the same, else its data
+// rank's of the first part, else the first rank's. A part whose layer did not say where it lies (mark_split without a
 // map) is saved as <name>@tensor<r>of<P>, which only the same layout loads.
 
 #include <torch/torch.h>

@@ -320,14 +320,16 @@ struct Engine::Impl::CheckpointLoad {
     const std::vector<std::string>& files = saved.rng_files;
     auto listed = [&](const std::string& f) { return std::find(files.begin(), files.end(), f) != files.end(); };
     for (auto& [stem, gen] : generators(s.device)) {
-      // This rank's state under the layout that saved it; else the first rank's.
+      // This rank's state under the layout that saved it; else its data
+      // rank's in the first part (replicas keep distinct streams); else the first rank's.
       const std::string own = saved.layout.parts() == parts ? rng_file(stem, s.rank, part, parts) : std::string();
       std::string file = own;
+      if (!listed(file)) file = rng_file(stem, s.rank, 0, saved.layout.parts());
       if (!listed(file)) file = rng_file(stem, 0, 0, saved.layout.parts());
       if (!listed(file)) continue;  // saved without a GPU
       if (file != own) {
         STRATA_LOG(kWarn, "checkpoint {} has no {} state for this rank's place in the layout ({} there): it "
-                   "takes its first rank's", reader.dir(), stem, saved.layout.describe());
+                   "takes {}", reader.dir(), stem, saved.layout.describe(), file);
       }
       const std::string path = reader.path(file);
       std::string bytes = reader.read_text(file);
