@@ -175,7 +175,8 @@ nlohmann::json read_names(const std::string& path) {
   STRATA_CHECK(j.is_object(), path, ": a name map is a JSON object, {\"model name\": \"name in the file\", "
                "\"prefix.*\": \"other.prefix.*\"}");
   for (const auto& [from, to] : j.items()) {
-    STRATA_CHECK(to.is_string(), path, ": the name map's value for ", from, " is not a string");
+    STRATA_CHECK(!from.empty() && to.is_string(), path, ": the name map's entry \"", from, "\" has no name or no "
+                 "string value");
     const std::string t = to.get<std::string>();
     STRATA_CHECK((from.back() == '*') == (!t.empty() && t.back() == '*'), path, ": ", from, " -> ", t,
                  ": a prefix rule ends in '*' on both sides");

@@ -20,6 +20,7 @@
 #include <thread>
 
 #include "strata/checkpoint/checkpoint_dir.h"
+#include "strata/checkpoint/safetensors.h"
 #include "error_of.h"
 #include "strata/core/error.h"
 #include "strata/parallel/engine.h"
@@ -375,6 +376,57 @@ TEST(Checkpoint, WeightsExportAsSafetensorsAndImportAtAttach) {
   EXPECT_NE(error_of([&] { attach(*wrong, AdamWConfig{}, o); }).find("tensor 2.weight is [64, 64]"),
             std::string::npos);
   fs::remove(path);
+}
+
+// Weights in Hugging Face's layout under other names (a model exported by
+// another tool): two bf16 shards and model.safetensors.index.json, read
+// through a name map with a prefix rule; each parameter gets the file's
+// values, converted. A name the map does not reach, and a shard the index
+// names but the directory lacks, are errors naming them.
+TEST(Checkpoint, WeightsImportFromAHuggingFaceDirectoryThroughANameMap) {
+  const std::string dir = temp_path("hf-import");
+  fs::create_directories(dir);
+  auto model = deep_mlp(21);
+  std::vector<std::pair<std::string, torch::Tensor>> params;
+  for (const auto& item : model->named_parameters()) params.emplace_back(item.key(), item.value().detach().clone());
+  // "0.weight" is "model.layers.0.weight" in the files; half the tensors in each shard.
+  nlohmann::json weight_map = nlohmann::json::object();
+  for (int shard = 0; shard < 2; ++shard) {
+    const std::string file = "model-0000" + std::to_string(shard + 1) + "-of-00002.safetensors";
+    std::vector<checkpoint::SafetensorsWriter::Spec> specs;
+    std::vector<torch::Tensor> values;
+    for (size_t i = static_cast<size_t>(shard); i < params.size(); i += 2) {
+      specs.push_back({"model.layers." + params[i].first, "BF16", params[i].second.sizes().vec()});
+      values.push_back(params[i].second.to(torch::kBFloat16).contiguous());
+      weight_map[specs.back().name] = file;
+    }
+    checkpoint::SafetensorsWriter w(dir + "/" + file, specs);
+    for (const torch::Tensor& v : values) w.append(v.data_ptr(), static_cast<size_t>(v.numel()) * 2);
+    w.finish();
+  }
+  std::ofstream(dir + "/model.safetensors.index.json") << nlohmann::json{{"weight_map", weight_map}}.dump();
+  const std::string names = dir + "-names.json";
+  std::ofstream(names) << R"({"*": "model.layers.*"})";
+
+  auto fresh = deep_mlp(22);
+  EngineOptions o = options_for(*fresh, {}, "");
+  o.init_weights = dir;
+  EXPECT_NE(error_of([&] { attach(*fresh, AdamWConfig{}, o); }).find("has no tensor for"), std::string::npos)
+      << "without the map, no name matches";
+  o.init_weights_names = names;
+  { auto engine = attach(*fresh, AdamWConfig{}, o); }
+  size_t i = 0;
+  for (const auto& item : fresh->named_parameters()) {
+    const torch::Tensor want = params[i++].second.to(torch::kBFloat16).to(torch::kFloat32);
+    EXPECT_TRUE(torch::equal(item.value(), want)) << item.key();
+  }
+  EXPECT_EQ(i, params.size());
+  fs::remove(dir + "/model-00002-of-00002.safetensors");
+  auto again = deep_mlp(23);
+  EXPECT_NE(error_of([&] { attach(*again, AdamWConfig{}, o); }).find("model-00002-of-00002.safetensors"),
+            std::string::npos);
+  fs::remove_all(dir);
+  fs::remove(names);
 }
 
 }  // namespace
