@@ -18,6 +18,7 @@
 #include "commands.h"
 #include "gpt_model.h"
 #include "strata/checkpoint/checkpoint_dir.h"
+#include "strata/checkpoint/convert.h"
 #include "strata/core/bytes.h"
 #include "strata/core/error.h"
 #include "strata/parallel/engine.h"
@@ -111,9 +112,9 @@ void run_checkpoint_bench(const CheckpointBenchOptions& o) {
   // Offline, from the last checkpoint saved: the export in Hugging Face's
   // layout and the conversion to one part, each from the disk (page cache dropped).
   drop_cache(ckpt);
-  const ExportStats exported = export_hf(ckpt, o.dir + "/hf", 1ull << 30, "fp32");
+  const checkpoint::ConvertStats exported = checkpoint::export_hf(ckpt, o.dir + "/hf", 1ull << 30, DType::kFloat32);
   drop_cache(ckpt);
-  const ExportStats converted = convert_single(ckpt, o.dir + "/single");
+  const checkpoint::ConvertStats converted = checkpoint::convert_single(ckpt, o.dir + "/single");
   const auto [store_write, store_read] = nvme_store_gbps(o.dir + "/raw", bytes);
   if (o.json) {
     nlohmann::json j = {{"size", o.size}, {"params", params}, {"precision", o.precision}, {"model_state_bytes", state},

@@ -14,17 +14,7 @@ void add_bench_command(CLI::App& app);
 void add_trace_command(CLI::App& app);
 /// `strata checkpoint inspect|verify|export|convert`: engine checkpoints offline.
 void add_checkpoint_command(CLI::App& app);
-/// What an export or a conversion wrote (tools/checkpoint.cpp).
-struct ExportStats {
-  uint64_t bytes = 0;  // of tensors written
-  size_t files = 0, tensors = 0;
-  double seconds = 0;
-  std::string layout;  // the checkpoint's, described
-};
-/// `strata checkpoint export DIR --hf OUT`: Note [Exporting a checkpoint in Hugging Face's layout].
-ExportStats export_hf(const std::string& dir, const std::string& out, uint64_t shard_bytes, const std::string& dtype);
-/// `strata checkpoint convert DIR --to-layout single --out OUT`: Note [Converting a checkpoint].
-ExportStats convert_single(const std::string& dir, const std::string& out);
+
 /// `strata run -n N -- PROGRAM`: local ranks with torchrun's variables.
 void add_run_command(CLI::App& app);
 /// Runs `command` as `n` local ranks, as `strata run -n n` does, their

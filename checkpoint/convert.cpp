@@ -1,0 +1,297 @@
+// Offline conversions of an engine checkpoint: export in Hugging Face's
+// layout and the merge into one part (convert.h).
+#include "strata/checkpoint/convert.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <map>
+#include <memory>
+#include <set>
+
+#include "strata/checkpoint/checkpoint_dir.h"
+#include "strata/checkpoint/safetensors.h"
+#include "strata/core/error.h"
+#include "strata/kernels/optim.h"
+
+namespace strata::checkpoint {
+
+using json = nlohmann::json;
+
+int64_t element_count(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t s : shape) n *= s;
+  return n;
+}
+
+
+EngineCheckpoint open_engine_checkpoint(const std::string& dir) {
+  CheckpointReader reader(dir);
+  STRATA_CHECK(reader.manifest().kind == "strata-engine", dir, " is a \"", reader.manifest().kind,
+               "\" directory, not an engine checkpoint (Engine::save, examples/gpt --checkpoint-dir)");
+  json state;
+  try {
+    state = json::parse(reader.read_text("state.json"));
+  } catch (const json::exception& e) {
+    STRATA_FAIL(reader.path("state.json"), ": not JSON (", e.what(), ")");
+  }
+  StateIndex index = parse_state_index(state, reader.path("state.json"));
+  return {std::move(reader), std::move(index), std::move(state)};
+}
+
+namespace {
+
+// The readers of tensor file `stem` of every part, verified first.
+std::map<int, std::unique_ptr<SafetensorsReader>> open_parts(const EngineCheckpoint& c, const std::string& stem) {
+  const int parts = c.index.layout.parts();
+  std::vector<std::string> names;
+  for (int k = 0; k < parts; ++k) names.push_back(part_file(stem, k, parts));
+  c.reader.verify(names);
+  std::map<int, std::unique_ptr<SafetensorsReader>> files;
+  for (int k = 0; k < parts; ++k) files[k] = std::make_unique<SafetensorsReader>(c.reader.path(names[k]));
+  return files;
+}
+
+// Parameter `p`'s elements in the whole's row-major order, from its saved
+// pieces in `files`, to `sink(data, elements, dtype)` a block of at most 1 Mi
+// elements at a time (Note [Parts of a whole parameter]).
+template <typename Sink>
+void stream_whole(const std::map<int, std::unique_ptr<SafetensorsReader>>& files, const SavedParam& p,
+                  const std::string& dir, std::vector<char>& block, Sink sink) {
+  const int64_t n = element_count(p.shape);
+  const PartMap whole = PartMap::whole(p.shape);
+  struct Take {
+    int part;
+    Overlap o;
+  };
+  std::vector<Take> takes;
+  for (const auto& piece : p.pieces) {
+    for (const Overlap& o : overlaps(whole, 0, n, piece.map)) takes.push_back({piece.part, o});
+  }
+  std::sort(takes.begin(), takes.end(), [](const Take& a, const Take& b) { return a.o.dst < b.o.dst; });
+  constexpr int64_t kBlock = 1 << 20;
+  int64_t at = 0;
+  for (const Take& t : takes) {
+    if (t.o.dst + t.o.length <= at) continue;  // a copy another piece gave already
+    STRATA_CHECK(t.o.dst == at, dir, ": parameter ", p.name, " has no saved piece holding its element ", at,
+                 "; the checkpoint is incomplete");
+    const SafetensorsReader& r = *files.at(t.part);
+    const TensorEntry* e = r.header().find(p.name);
+    STRATA_CHECK(e != nullptr && static_cast<int64_t>(e->numel()) >= t.o.src + t.o.length, r.path(),
+                 " has no tensor ", p.name, " of the size its pieces say");
+    const size_t esize = dtype_bytes(e->dtype);
+    for (int64_t done = 0; done < t.o.length; done += kBlock) {
+      const int64_t m = std::min(kBlock, t.o.length - done);
+      block.resize(static_cast<size_t>(m) * esize);
+      r.read(*e, static_cast<uint64_t>(t.o.src + done) * esize, block.data(), block.size());
+      sink(block.data(), m, e->dtype);
+    }
+    at = t.o.dst + t.o.length;
+  }
+  STRATA_CHECK(at == n, dir, ": parameter ", p.name, " has no saved piece holding its element ", at,
+               "; the checkpoint is incomplete");
+}
+
+}  // namespace
+
+// Note [Exporting a checkpoint in Hugging Face's layout]
+// One process's weights from a checkpoint of any layout: each parameter's
+// fp32 master values, assembled in the whole parameter's row-major order
+// from the overlaps of its saved pieces (Note [Parts of a whole parameter]),
+// cast to the dtype asked for and appended to the shard file it falls in,
+// a block of at most 4 MiB at a time, so the export holds one block, never a
+// whole tensor. Parameters go to shards in the checkpoint's order, a new
+// shard whenever the next one would take the current one past the shard
+// size (a parameter larger than it gets a shard of its own).
+// model.safetensors.index.json maps each name to its shard, as
+// transformers' sharded checkpoints do. The directory is built beside OUT
+// and put in place atomically (Note [Atomic checkpoint directories]; its
+// manifest.json lists every file with its checksum): a kill at any moment
+// leaves the previous export or the complete new one, and a directory that
+// is not an earlier export is never replaced.
+ConvertStats export_hf(const std::string& dir, const std::string& out, uint64_t shard_bytes, DType dtype) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const EngineCheckpoint c = open_engine_checkpoint(dir);
+  const StateIndex& x = c.index;
+  STRATA_CHECK(shard_bytes > 0, "--shard-size must be more than 0");
+  const std::string st_dtype = dtype == DType::kFloat32 ? "F32" : dtype == DType::kBFloat16 ? "BF16" : "F16";
+  const size_t esize = dtype_size(dtype);
+  const auto files = open_parts(c, "master");
+
+  // The shards, by size in the dtype asked for.
+  std::vector<std::vector<size_t>> shards;
+  uint64_t in_shard = 0, total = 0;
+  for (size_t i = 0; i < x.params.size(); ++i) {
+    const uint64_t b = static_cast<uint64_t>(element_count(x.params[i].shape)) * esize;
+    if (shards.empty() || (in_shard > 0 && in_shard + b > shard_bytes)) {
+      shards.emplace_back();
+      in_shard = 0;
+    }
+    shards.back().push_back(i);
+    in_shard += b;
+    total += b;
+  }
+  auto shard_name = [&](size_t s) { return fmt::format("model-{:05d}-of-{:05d}.safetensors", s + 1, shards.size()); };
+
+  CheckpointWriter w(out, "hf-weights");
+  json weight_map = json::object();
+  std::vector<char> block, cast;
+  for (size_t s = 0; s < shards.size(); ++s) {
+    std::vector<SafetensorsWriter::Spec> specs;
+    for (size_t i : shards[s]) specs.push_back({x.params[i].name, st_dtype, x.params[i].shape});
+    SafetensorsWriter sw(w.path(shard_name(s)), specs, {{"format", "pt"}});
+    for (size_t i : shards[s]) {
+      stream_whole(files, x.params[i], c.reader.dir(), block, [&](const char* data, int64_t m, const std::string& st) {
+        STRATA_CHECK(st == "F32", c.reader.dir(), ": parameter ", x.params[i].name, "'s master is ", st, ", not F32");
+        if (dtype == DType::kFloat32) {
+          sw.append(data, static_cast<size_t>(m) * 4);
+          return;
+        }
+        cast.resize(static_cast<size_t>(m) * esize);
+        kernels::cast(data, DType::kFloat32, cast.data(), dtype, m);
+        sw.append(cast.data(), cast.size());
+      });
+      weight_map[x.params[i].name] = shard_name(s);
+    }
+    sw.finish();
+    w.add(shard_name(s), sw.bytes(), sw.checksum());
+  }
+  // Buffers and frozen parameters (each name once, as saved), in one more shard.
+  if (!x.module_state_files.empty()) {
+    c.reader.verify(x.module_state_files);
+    std::vector<std::unique_ptr<SafetensorsReader>> readers;
+    std::vector<std::pair<const SafetensorsReader*, const TensorEntry*>> take;
+    std::set<std::string> seen;
+    for (const std::string& f : x.module_state_files) {
+      readers.push_back(std::make_unique<SafetensorsReader>(c.reader.path(f)));
+      for (const auto& e : readers.back()->header().tensors) {
+        if (seen.insert(e.name).second && !weight_map.contains(e.name)) take.push_back({readers.back().get(), &e});
+      }
+    }
+    if (!take.empty()) {
+      shards.emplace_back();  // named by the count, which now includes it
+      const std::string name = shard_name(shards.size() - 1);
+      std::vector<SafetensorsWriter::Spec> specs;
+      for (const auto& [r, e] : take) specs.push_back({e->name, e->dtype, e->shape});
+      SafetensorsWriter sw(w.path(name), specs, {{"format", "pt"}});
+      for (const auto& [r, e] : take) {
+        block.resize(e->end - e->begin);
+        r->read(*e, 0, block.data(), block.size());
+        sw.append(block.data(), block.size());
+        weight_map[e->name] = name;
+        total += e->end - e->begin;
+      }
+      sw.finish();
+      w.add(name, sw.bytes(), sw.checksum());
+    }
+  }
+  const json index = {{"metadata", {{"total_size", total}, {"format", "pt"}}}, {"weight_map", weight_map}};
+  w.write_text("model.safetensors.index.json", index.dump(2) + "\n");
+  w.commit();
+  ConvertStats st;
+  st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  st.bytes = total;
+  st.files = shards.size();
+  st.tensors = x.params.size();
+  st.layout = x.layout.describe();
+  return st;
+}
+
+// Note [Converting a checkpoint]
+// `convert --to-layout single` merges a checkpoint of any layout into one
+// part (tp 1 x pp 1): each tensor file (the fp32 masters, every optimizer
+// state, the compute copy and gradients when saved) with whole tensors,
+// streamed as the export streams them; the module state files into one; the
+// first part's RNG states; state.json with the layout and pieces dropped.
+// Any layout loads either form (Note [Checkpoints across layouts]), so this
+// is for tools that want whole tensors, or one writer's files; other target
+// layouts need the model's own cuts, which only a training process has:
+// load the checkpoint there instead. Atomic, as the export.
+ConvertStats convert_single(const std::string& dir, const std::string& out) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const EngineCheckpoint c = open_engine_checkpoint(dir);
+  const StateIndex& x = c.index;
+  const int parts = x.layout.parts();
+  for (const auto& p : x.params) {
+    STRATA_CHECK(p.name.find("@tensor") == std::string::npos, dir, ": parameter ", p.name, " was split by a layer "
+                 "that said not where its part lies (mark_split without a part map); it cannot be merged");
+  }
+  std::vector<std::string> stems = {"master"};
+  for (const std::string& st : x.states) stems.push_back(st);
+  for (const char* optional : {"param", "grad"}) {
+    if (c.reader.has(part_file(optional, 0, parts))) stems.push_back(optional);
+  }
+  CheckpointWriter w(out, "strata-engine");
+  ConvertStats st;
+  std::vector<char> block;
+  for (const std::string& stem : stems) {
+    const auto files = open_parts(c, stem);
+    std::vector<SafetensorsWriter::Spec> specs;
+    for (const auto& p : x.params) {
+      const TensorEntry* e = files.at(p.pieces.front().part)->header().find(p.name);
+      STRATA_CHECK(e != nullptr, files.at(p.pieces.front().part)->path(), " has no tensor ", p.name);
+      specs.push_back({p.name, e->dtype, p.shape});
+    }
+    const std::string name = part_file(stem, 0, 1);
+    SafetensorsWriter sw(w.path(name), specs, stem == "master" ? std::map<std::string, std::string>{{"format", "pt"}}
+                                                               : std::map<std::string, std::string>{});
+    for (const auto& p : x.params) {
+      stream_whole(files, p, c.reader.dir(), block, [&](const char* data, int64_t m, const std::string& dt) {
+        sw.append(data, static_cast<size_t>(m) * dtype_bytes(dt));
+      });
+    }
+    sw.finish();
+    w.add(name, sw.bytes(), sw.checksum());
+    st.bytes += sw.bytes();
+    ++st.files;
+  }
+  // Buffers and frozen parameters: every name once, from the first file holding it.
+  json module_state = json::array();
+  if (!x.module_state_files.empty()) {
+    c.reader.verify(x.module_state_files);
+    std::vector<std::unique_ptr<SafetensorsReader>> readers;
+    std::vector<std::pair<const SafetensorsReader*, const TensorEntry*>> take;
+    std::set<std::string> seen;
+    for (const std::string& f : x.module_state_files) {
+      readers.push_back(std::make_unique<SafetensorsReader>(c.reader.path(f)));
+      for (const auto& e : readers.back()->header().tensors) {
+        if (seen.insert(e.name).second) take.push_back({readers.back().get(), &e});
+      }
+    }
+    std::vector<SafetensorsWriter::Spec> specs;
+    for (const auto& [r, e] : take) specs.push_back({e->name, e->dtype, e->shape});
+    SafetensorsWriter sw(w.path("module_state.safetensors"), specs);
+    for (const auto& [r, e] : take) {
+      block.resize(e->end - e->begin);
+      r->read(*e, 0, block.data(), block.size());
+      sw.append(block.data(), block.size());
+    }
+    sw.finish();
+    w.add("module_state.safetensors", sw.bytes(), sw.checksum());
+    module_state.push_back("module_state.safetensors");
+  }
+  // The first part's RNG states, under one part's names.
+  json rng = json::array();
+  const std::string first = parts == 1 ? "" : ".part0";
+  for (const std::string& f : x.rng_files) {
+    const size_t at = f.find(first);
+    if (parts > 1 && (at == std::string::npos || (f.compare(at + first.size(), 1, ".") != 0))) continue;
+    const std::string renamed = parts == 1 ? f : f.substr(0, at) + f.substr(at + first.size());
+    w.write_text(renamed, c.reader.read_text(f));
+    rng.push_back(renamed);
+  }
+  json state = c.state;
+  state["layout"] = {{"tensor", 1}, {"pipeline", 1}};
+  state["rng"] = rng;
+  state["module_state"] = module_state;
+  for (json& p : state["parameters"]) p.erase("pieces");
+  w.write_text("state.json", state.dump(1) + "\n");
+  w.commit();
+  st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  st.tensors = x.params.size();
+  st.layout = x.layout.describe();
+  return st;
+}
+
+}  // namespace strata::checkpoint
