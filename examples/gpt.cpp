@@ -10,6 +10,7 @@
 //       [--min-lr-ratio 0.1]
 //       [--decay-all] [--baseline]
 //       [--save-every N] [--checkpoint-dir DIR] [--resume DIR] [--export-weights FILE]
+//       [--export-hf DIR [--export-dtype bf16]]
 //       [--zero-stage 0-3] [--pp P [--pp-schedule S] [--microbatches M] [--virtual-stages V]]
 //       [--tp T [--tp-mode 1d|2d|2.5d|3d] [--sequence-parallel]] [--sp S [--sp-mode M]] [--config PLAN.json]
 //       [--lazy] [--checkpoint-activations | --offload-activations] [--preset 3b] [--sample-tokens 80]
@@ -18,7 +19,9 @@
 // steps (atomically: the directory always holds one complete checkpoint);
 // --resume DIR loads one and continues from its step, with the same data
 // order, so an interrupted run resumed finishes as the uninterrupted one.
-// --export-weights writes the trained weights as safetensors at the end.
+// --export-weights writes the trained weights as safetensors at the end;
+// --export-hf DIR writes one process's weights from any layout in Hugging
+// Face's layout (Engine::export_hf).
 // The optimizer is AdamW by default, as LLM recipes run it: linear warm-up
 // over --warmup steps (a tenth of the schedule by default), then cosine decay
 // to --min-lr-ratio of --lr at --schedule-steps (--steps by default; a
@@ -120,6 +123,7 @@ struct Run {
   int steps, batch, sample_tokens, save_every;
   bool lazy, print_losses;
   std::string device_budget, host_budget, nvme_budget, nvme_dir, checkpoint_dir, resume, export_weights;
+  std::string export_hf, export_dtype;
 };
 
 // The model as layers (gpt_layers) trained through a parallel::Trainer under
@@ -141,7 +145,7 @@ int train(Run a) {
   }
   const sp::HybridPlan plan = a.plan.validated(rv.world_size, shape);  // before any communicator
   STRATA_CHECK(a.export_weights.empty() || plan.pp.size == 1, "--export-weights with --pp ", plan.pp.size, ": each "
-               "stage would write a part of its own, which is not built yet; drop one");
+               "stage would write a part of its own; --export-hf DIR writes one process's weights from any layout");
   // Gloo on every machine: the pipeline's links and the example's host-side
   // agreements run on host buffers.
   sp::DeviceMesh mesh = sp::DeviceMesh::create(sp::make_gloo_communicator(rv), plan.dims());
@@ -254,6 +258,10 @@ int train(Run a) {
   if (!a.export_weights.empty()) {
     engine.export_weights(a.export_weights);
     if (lead) fmt::print("weights written to {} (safetensors)\n", a.export_weights);
+  }
+  if (!a.export_hf.empty()) {
+    engine.export_hf(a.export_hf, 5000000000ull, strata::parse_dtype(a.export_dtype));
+    if (lead) fmt::print("weights written to {} (Hugging Face's layout, {})\n", a.export_hf, a.export_dtype);
   }
   // Sample a line from the trained model where one rank holds whole
   // sequences and whole batches: not under sequence parallelism (Megatron's
@@ -391,6 +399,10 @@ int run(int argc, char** argv) {
   app.add_option("--checkpoint-dir", checkpoint_dir, "where --save-every saves (replaced atomically each time)");
   app.add_option("--resume", resume, "load this checkpoint and continue from its step");
   app.add_option("--export-weights", export_weights, "write the trained weights here as safetensors at the end");
+  std::string export_hf, export_dtype = "fp32";
+  app.add_option("--export-hf", export_hf, "write one process's weights here at the end, from any layout, in Hugging "
+                 "Face's layout (sharded safetensors and model.safetensors.index.json)");
+  app.add_option("--export-dtype", export_dtype, "--export-hf's dtype: fp32, bf16 or fp16");
   bool baseline = false, lazy = false;
   std::string preset;
   int sample_tokens = 80;
@@ -445,9 +457,8 @@ int run(int argc, char** argv) {
     }
   }
   // Paths the run will write: checked now, not after the training they would end.
-  if (save_every > 0 && tp == 1 && pp == 1) {
-    strata::parallel::Engine::check_save_target(checkpoint_dir);  // --tp, --pp: per-rank parts
-  }
+  if (save_every > 0) strata::parallel::Engine::check_save_target(checkpoint_dir);
+  if (!export_hf.empty()) strata::parallel::Engine::check_save_target(export_hf);  // a directory replaced as a checkpoint's
   if (!export_weights.empty()) strata::parallel::Engine::check_export_target(export_weights);
   mc.vocab = 256;
 
@@ -522,7 +533,7 @@ int run(int argc, char** argv) {
   return train({corpus, mc, untied_head, make_optimizer, opts,
                 config.empty() ? sp::HybridPlan::from_env(base) : sp::HybridPlan::from_file(config), steps, batch,
                 sample_tokens, save_every, lazy, print_losses, device_budget, host_budget, nvme_budget, nvme_dir,
-                checkpoint_dir, resume, export_weights});
+                checkpoint_dir, resume, export_weights, export_hf, export_dtype});
 }
 
 }  // namespace

@@ -14,7 +14,10 @@ args="--layers 2 --dim 32 --heads 4 --context 32 --batch 4 --untied-head --steps
 fail() { cat "$dir/$1.txt"; echo "hf export: the $1 run failed"; exit 1; }
 "$gpt" $args --nvme-dir "$dir/nvme1" --export-weights "$dir/one.safetensors" > "$dir/one.txt" 2>&1 || fail one
 "$strata" run -n 4 -- "$gpt" $args --pp 2 --tp 2 --nvme-dir "$dir/nvme4" --save-every 3 --checkpoint-dir "$dir/ckpt" \
-  > "$dir/four.txt" 2>&1 || fail four
+  --export-hf "$dir/hf-online" > "$dir/four.txt" 2>&1 || fail four
+# Exported by the training ranks themselves (Engine::export_hf), and offline from the checkpoint.
+python3 "$here/hf_export_check.py" "$dir/hf-online" "$dir/one.safetensors" F32 1e-5
+[ ! -e "$dir/hf-online.parts" ] || { echo "hf export: the parts were left behind"; exit 1; }
 "$strata" checkpoint inspect "$dir/ckpt" | grep -q "saved at tp 2 x pp 2, dp 1 at ZeRO 0 (4 parts)" \
   || { "$strata" checkpoint inspect "$dir/ckpt"; echo "hf export: inspect does not name the layout"; exit 1; }
 # Small shards: several files.

@@ -7,6 +7,8 @@
 
 #include <cstring>
 #include <exception>
+#include <filesystem>
+#include <functional>
 #include <map>
 #include <optional>
 #include <set>
@@ -19,6 +21,7 @@
 #include "family_stream.h"
 #include "tensor_files.h"
 #include "strata/checkpoint/checkpoint_dir.h"
+#include "strata/checkpoint/convert.h"
 #include "strata/checkpoint/safetensors.h"
 
 namespace strata::parallel {
@@ -54,7 +57,11 @@ torch::Tensor state_value(const torch::Tensor& tensor, torch::ScalarType origina
 }  // namespace
 
 struct Engine::Impl::CheckpointSave {
-  CheckpointSave(Impl& engine, const std::string& checkpoint_dir)
+  // `weights_only`: the fp32 values alone, and state.json (Engine::export_hf);
+  // `after_commit(dir)` runs on the lead once the checkpoint is in place,
+  // its failure every rank's, as a write's.
+  CheckpointSave(Impl& engine, const std::string& checkpoint_dir, bool weights_only = false,
+                 std::function<void(const std::string&)> after_commit = nullptr)
       : impl(engine),
         s(engine.ctx),
         dir(checkpoint_dir),
@@ -66,7 +73,9 @@ struct Engine::Impl::CheckpointSave {
         parts(tensor_size * (pipe ? pipe->world_size() : 1)),
         part((pipe ? pipe->rank() : 0) * tensor_size + (tensor ? tensor->rank() : 0)),
         order(params_in_chunk_order(s)),
-        mid(engine.micro_steps % s.options.grad_accumulation != 0),
+        weights(weights_only),
+        then(std::move(after_commit)),
+        mid(!weights_only && engine.micro_steps % s.options.grad_accumulation != 0),
         mixed(s.options.precision != DType::kFloat32),
         writer(s.rank == 0),
         lead(writer && part == 0),
@@ -93,7 +102,8 @@ struct Engine::Impl::CheckpointSave {
     } catch (...) {
       failed();
     }
-    const std::vector<std::pair<std::string, std::string>> rng = rng_states();
+    const std::vector<std::pair<std::string, std::string>> rng =
+        weights ? std::vector<std::pair<std::string, std::string>>{} : rng_states();
     if (writing) try {
       finish_part(rng);
     } catch (...) {
@@ -177,6 +187,10 @@ struct Engine::Impl::CheckpointSave {
       outs.push_back({file, std::make_unique<SafetensorsWriter>(path(file), specs, std::move(metadata))});
     };
     add("master", fp32, {{"format", "pt"}});
+    if (weights) {
+      fp32_outs = 1;
+      return;
+    }
     for (const std::string& state : state_names) add(state, fp32);
     if (mixed) add("param", compute);
     if (mid) add("grad", compute);
@@ -188,6 +202,7 @@ struct Engine::Impl::CheckpointSave {
   std::vector<ChunkId> members(memory::FamilyId f) const {
     const memory::ChunkFamily& fam = s.mgr->family(f);
     std::vector<ChunkId> chunks = {fam.master ? *fam.master : s.step_param(f)};
+    if (weights) return chunks;
     chunks.insert(chunks.end(), fam.optim_states.begin(), fam.optim_states.end());
     if (mixed) chunks.push_back(s.step_param(f));
     if (mid) chunks.push_back(fam.grad);
@@ -361,6 +376,7 @@ struct Engine::Impl::CheckpointSave {
                         {"parameters", list}};
     w->write_text("state.json", state.dump(1) + "\n");
     w->commit();
+    if (then) then(dir);
   }
 
   // Nobody returns (and perhaps loads) before the checkpoint is in place,
@@ -391,6 +407,8 @@ struct Engine::Impl::CheckpointSave {
   Communicator* const pipe;    // null: no pipeline
   const int tensor_size, parts, part;
   const std::vector<size_t> order;
+  const bool weights;
+  const std::function<void(const std::string&)> then;
   const bool mid, mixed, writer, lead;
   std::exception_ptr write_failure;
   bool writing;
@@ -408,6 +426,22 @@ void Engine::check_export_target(const std::string& path) { checkpoint::check_wr
 void Engine::save(const std::string& dir) {
   Impl::Busy hold(*impl_);
   Impl::CheckpointSave(*impl_, dir).run();
+}
+
+// Note [Exporting weights from any layout]: the parts' fp32 values go to a
+// weights-only checkpoint beside `dir` (every writer its parts, as save()
+// writes them), from which the lead writes Hugging Face's layout at `dir`,
+// streamed and atomically (Note [Exporting a checkpoint in Hugging Face's
+// layout]), and removes it; every rank then learns whether all of it worked.
+void Engine::export_hf(const std::string& dir, uint64_t shard_bytes, DType dtype) {
+  Impl::Busy hold(*impl_);
+  STRATA_CHECK(shard_bytes > 0, "export_hf: the shard size must be more than 0");
+  checkpoint::check_replaceable(dir);  // on every rank, before any collective
+  Impl::CheckpointSave(*impl_, dir + ".parts", /*weights_only=*/true, [&](const std::string& parts) {
+    checkpoint::export_hf(parts, dir, shard_bytes, dtype);
+    std::error_code ec;
+    std::filesystem::remove_all(parts, ec);
+  }).run();
 }
 
 }  // namespace strata::parallel

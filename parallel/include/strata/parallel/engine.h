@@ -188,6 +188,14 @@ class Engine {
   /// Under tensor parallelism each tensor rank writes its parts to
   /// <stem>.tensor-<r>-of-<P><ext> beside `path`.
   void export_weights(const std::string& path);
+  /// One process's weights, from any layout (tensor, pipeline and data
+  /// parallel alike), in Hugging Face's layout at directory `dir`: shards of
+  /// at most `shard_bytes` and model.safetensors.index.json, the parameters
+  /// in `dtype`, buffers and frozen parameters as they are. Collective:
+  /// every rank calls it; each writer saves its parts, and one rank
+  /// assembles them, streamed, and puts `dir` in place atomically
+  /// (docs/checkpoint.md). EngineOptions::init_weights reads it back.
+  void export_hf(const std::string& dir, uint64_t shard_bytes = 5000000000ull, DType dtype = DType::kFloat32);
 
   /// Throws a strata::Error saying what to change unless save(dir) may write
   /// there: `dir` absent, or a checkpoint an earlier save() wrote (a user's
