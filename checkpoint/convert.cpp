@@ -53,14 +53,14 @@ std::map<int, std::unique_ptr<SafetensorsReader>> open_parts(const EngineCheckpo
   return files;
 }
 
-// Parameter `p`'s elements in the whole's row-major order, from its saved
-// pieces in `files`, to `sink(data, elements, dtype)` a block of at most 1 Mi
+// The elements of parameter `p` that part map `want` holds, in its order
+// (the whole's row-major order for PartMap::whole), from its saved pieces in `files`, to `sink(data, elements, dtype)` a block of at most 1 Mi
 // elements at a time (Note [Parts of a whole parameter]).
 template <typename Sink>
-void stream_whole(const std::map<int, std::unique_ptr<SafetensorsReader>>& files, const SavedParam& p,
-                  const std::string& dir, std::vector<char>& block, Sink sink) {
-  const int64_t n = element_count(p.shape);
-  const PartMap whole = PartMap::whole(p.shape);
+void stream_part(const std::map<int, std::unique_ptr<SafetensorsReader>>& files, const SavedParam& p,
+                 const PartMap& want, const std::string& dir, std::vector<char>& block, Sink sink) {
+  const int64_t n = want.part_elems();
+  const PartMap& whole = want;
   struct Take {
     int part;
     Overlap o;
@@ -91,6 +91,55 @@ void stream_whole(const std::map<int, std::unique_ptr<SafetensorsReader>>& files
   }
   STRATA_CHECK(at == n, dir, ": parameter ", p.name, " has no saved piece holding its element ", at,
                "; the checkpoint is incomplete");
+}
+
+// Output tensor file `name` (of tensor file `stem`): for each spec, the
+// elements `want` gives of its saved parameter, streamed from `files`.
+void write_recut(CheckpointWriter& w, const std::string& name, const std::string& stem,
+                 const std::vector<SafetensorsWriter::Spec>& specs,
+                 const std::vector<std::pair<const SavedParam*, const PartMap*>>& want,
+                 const std::map<int, std::unique_ptr<SafetensorsReader>>& files, const std::string& dir,
+                 std::vector<char>& block, ConvertStats& st) {
+  SafetensorsWriter sw(w.path(name), specs, stem == "master" ? std::map<std::string, std::string>{{"format", "pt"}}
+                                                             : std::map<std::string, std::string>{});
+  for (const auto& [from, map] : want) {
+    stream_part(files, *from, *map, dir, block, [&](const char* data, int64_t m, const std::string& dt) {
+      sw.append(data, static_cast<size_t>(m) * dtype_bytes(dt));
+    });
+  }
+  sw.finish();
+  w.add(name, sw.bytes(), sw.checksum());
+  st.bytes += sw.bytes();
+  ++st.files;
+}
+
+// The first part's RNG states of `c`, written under the names part 0 of
+// `to_parts` gives them (a rank of another layout takes those).
+json first_part_rng(const EngineCheckpoint& c, int to_parts, CheckpointWriter& w) {
+  const int parts = c.index.layout.parts();
+  const std::string first = parts == 1 ? "" : ".part0";
+  json rng = json::array();
+  for (const std::string& f : c.index.rng_files) {
+    const size_t at = f.find(first);
+    if (parts > 1 && (at == std::string::npos || f.compare(at + first.size(), 1, ".") != 0)) continue;
+    const std::string one = parts == 1 ? f : f.substr(0, at) + f.substr(at + first.size());  // rng_cpu[.rank<R>].bin
+    const size_t dot = one.find('.');
+    const std::string renamed = to_parts == 1 ? one : one.substr(0, dot) + ".part0" + one.substr(dot);
+    w.write_text(renamed, c.reader.read_text(f));
+    rng.push_back(renamed);
+  }
+  return rng;
+}
+
+// state.json written, the directory committed, the figures filled in.
+ConvertStats commit(CheckpointWriter& w, const json& state, ConvertStats st, const StateIndex& x,
+                    std::chrono::steady_clock::time_point t0) {
+  w.write_text("state.json", state.dump(1) + "\n");
+  w.commit();
+  st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  st.tensors = x.params.size();
+  st.layout = x.layout.describe();
+  return st;
 }
 
 }  // namespace
@@ -142,7 +191,7 @@ ConvertStats export_hf(const std::string& dir, const std::string& out, uint64_t 
     for (size_t i : shards[s]) specs.push_back({x.params[i].name, st_dtype, x.params[i].shape});
     SafetensorsWriter sw(w.path(shard_name(s)), specs, {{"format", "pt"}});
     for (size_t i : shards[s]) {
-      stream_whole(files, x.params[i], c.reader.dir(), block, [&](const char* data, int64_t m, const std::string& st) {
+      stream_part(files, x.params[i], PartMap::whole(x.params[i].shape), c.reader.dir(), block, [&](const char* data, int64_t m, const std::string& st) {
         STRATA_CHECK(st == "F32", c.reader.dir(), ": parameter ", x.params[i].name, "'s master is ", st, ", not F32");
         if (dtype == DType::kFloat32) {
           sw.append(data, static_cast<size_t>(m) * 4);
@@ -233,18 +282,11 @@ ConvertStats convert_single(const std::string& dir, const std::string& out) {
       STRATA_CHECK(e != nullptr, files.at(p.pieces.front().part)->path(), " has no tensor ", p.name);
       specs.push_back({p.name, e->dtype, p.shape});
     }
-    const std::string name = part_file(stem, 0, 1);
-    SafetensorsWriter sw(w.path(name), specs, stem == "master" ? std::map<std::string, std::string>{{"format", "pt"}}
-                                                               : std::map<std::string, std::string>{});
-    for (const auto& p : x.params) {
-      stream_whole(files, p, c.reader.dir(), block, [&](const char* data, int64_t m, const std::string& dt) {
-        sw.append(data, static_cast<size_t>(m) * dtype_bytes(dt));
-      });
-    }
-    sw.finish();
-    w.add(name, sw.bytes(), sw.checksum());
-    st.bytes += sw.bytes();
-    ++st.files;
+    std::vector<PartMap> wholes;
+    for (const auto& p : x.params) wholes.push_back(PartMap::whole(p.shape));
+    std::vector<std::pair<const SavedParam*, const PartMap*>> want;
+    for (size_t i = 0; i < x.params.size(); ++i) want.push_back({&x.params[i], &wholes[i]});
+    write_recut(w, part_file(stem, 0, 1), stem, specs, want, files, c.reader.dir(), block, st);
   }
   // Buffers and frozen parameters: every name once, from the first file holding it.
   json module_state = json::array();
@@ -271,27 +313,94 @@ ConvertStats convert_single(const std::string& dir, const std::string& out) {
     w.add("module_state.safetensors", sw.bytes(), sw.checksum());
     module_state.push_back("module_state.safetensors");
   }
-  // The first part's RNG states, under one part's names.
-  json rng = json::array();
-  const std::string first = parts == 1 ? "" : ".part0";
-  for (const std::string& f : x.rng_files) {
-    const size_t at = f.find(first);
-    if (parts > 1 && (at == std::string::npos || (f.compare(at + first.size(), 1, ".") != 0))) continue;
-    const std::string renamed = parts == 1 ? f : f.substr(0, at) + f.substr(at + first.size());
-    w.write_text(renamed, c.reader.read_text(f));
-    rng.push_back(renamed);
-  }
+  const json rng = first_part_rng(c, 1, w);
   json state = c.state;
   state["layout"] = {{"tensor", 1}, {"pipeline", 1}};
   state["rng"] = rng;
   state["module_state"] = module_state;
   for (json& p : state["parameters"]) p.erase("pieces");
-  w.write_text("state.json", state.dump(1) + "\n");
-  w.commit();
-  st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  st.tensors = x.params.size();
-  st.layout = x.layout.describe();
-  return st;
+  return commit(w, state, st, x, t0);
+}
+
+// Note [Converting a checkpoint] (to another checkpoint's layout): every
+// tensor file of `dir` re-cut into the parts and pieces of `like`, a
+// checkpoint of the same model saved under the layout wanted (its part maps
+// are the model's own cuts, which only a training process knows): each of
+// like's pieces gets the overlaps of its map with dir's pieces, streamed;
+// state.json is dir's with like's layout and pieces; the module state
+// files and dir's first part's RNG states go to part 0 (a rank of another
+// layout takes those).
+ConvertStats convert_like(const std::string& dir, const std::string& like, const std::string& out) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const EngineCheckpoint c = open_engine_checkpoint(dir);
+  const EngineCheckpoint t = open_engine_checkpoint(like);
+  const StateIndex& x = c.index;
+  const int parts = x.layout.parts(), to_parts = t.index.layout.parts();
+  std::map<std::string, const SavedParam*> source;
+  for (const auto& p : x.params) source[p.name] = &p;
+  std::vector<std::string> problems;
+  for (const auto& p : t.index.params) {
+    const auto it = source.find(p.name);
+    if (it == source.end()) {
+      problems.push_back("parameter " + p.name + " of " + like + " is not in " + dir);
+    } else if (it->second->shape != p.shape) {
+      problems.push_back("parameter " + p.name + " differs in shape");
+    }
+  }
+  if (t.index.params.size() != x.params.size()) problems.push_back("the two hold different parameters");
+  STRATA_CHECK(problems.empty(), dir, " (", x.layout.describe(), ") and ", like, " (", t.index.layout.describe(),
+               ") are not checkpoints of one model: ", problems.front());
+  std::vector<std::string> stems = {"master"};
+  for (const std::string& st : x.states) stems.push_back(st);
+  for (const char* optional : {"param", "grad"}) {
+    if (c.reader.has(part_file(optional, 0, parts))) stems.push_back(optional);
+  }
+  const auto shapes = open_parts(t, "master");  // the pieces' own shapes, as like's ranks hold them
+  CheckpointWriter w(out, "strata-engine");
+  ConvertStats st;
+  std::vector<char> block;
+  for (const std::string& stem : stems) {
+    const auto files = open_parts(c, stem);
+    for (int k = 0; k < to_parts; ++k) {
+      std::vector<std::pair<const SavedParam*, const PartMap*>> mine;
+      std::vector<SafetensorsWriter::Spec> specs;
+      for (const auto& p : t.index.params) {
+        for (const auto& piece : p.pieces) {
+          if (piece.part != k) continue;
+          const SavedParam& from = *source.at(p.name);
+          const TensorEntry* shape = shapes.at(k)->header().find(p.name);
+          const TensorEntry* e = files.at(from.pieces.front().part)->header().find(p.name);
+          STRATA_CHECK(shape != nullptr && e != nullptr, "parameter ", p.name, " is missing from a tensor file");
+          mine.push_back({&from, &piece.map});
+          specs.push_back({p.name, e->dtype, shape->shape});
+        }
+      }
+      write_recut(w, part_file(stem, k, to_parts), stem, specs, mine, files, c.reader.dir(), block, st);
+    }
+  }
+  json module_state = json::array();
+  for (const std::string& f : x.module_state_files) {  // names unchanged: a load looks in every listed file
+    w.write_text(f, c.reader.read_text(f));
+    module_state.push_back(f);
+  }
+  const json rng = first_part_rng(c, to_parts, w);
+  json state = c.state;
+  state["layout"] = t.state.at("layout");
+  state["world_size"] = t.state.value("world_size", 1);
+  state["zero_stage"] = t.state.value("zero_stage", 0);
+  state["rng"] = rng;
+  state["module_state"] = module_state;
+  std::map<std::string, json> pieces;
+  for (const json& p : t.state.at("parameters")) pieces[p.at("name")] = p.value("pieces", json());
+  for (json& p : state["parameters"]) {
+    const json& want = pieces.at(p.at("name").get<std::string>());
+    if (want.is_null()) {
+      p.erase("pieces");
+    } else {
+      p["pieces"] = want;
+    }
+  }
+  return commit(w, state, st, x, t0);
 }
 
 }  // namespace strata::checkpoint

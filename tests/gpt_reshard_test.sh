@@ -7,7 +7,9 @@
 #   gpt_reshard_test.sh STRATA GPT WORKDIR NAME N_BEFORE "BEFORE" N_AFTER "AFTER" [convert]
 # N 1 runs the example directly, more under `strata run -n N`. With
 # "convert", the checkpoint goes through `strata checkpoint convert
-# --to-layout single` (offline, one part) before the resume. Prints
+# --to-layout single` (offline, one part) before the resume; with "like",
+# through `convert --like` a checkpoint AFTER saved (of 1 step, from another
+# seed's data: only its layout is used). Prints
 # "gpt reshard: NAME matches one process over 6 steps" when they match.
 set -eu
 strata=$1 gpt=$2 dir=$3 name=$4 n_before=$5 before=$6 n_after=$7 after=$8 convert=${9:-}
@@ -33,6 +35,13 @@ if [ "$convert" = convert ]; then
   "$strata" checkpoint convert "$ckpt" --to-layout single --out "$dir/single"
   ckpt="$dir/single"
   "$strata" checkpoint inspect "$ckpt" | grep -q "saved at tp 1 x pp 1" || { echo "gpt reshard: not one part"; exit 1; }
+elif [ "$convert" = like ]; then
+  run "$n_after" template --steps 1 --save-every 1 --checkpoint-dir "$dir/template" $after
+  "$strata" checkpoint convert "$ckpt" --like "$dir/template" --out "$dir/like"
+  ckpt="$dir/like"
+  want=$("$strata" checkpoint inspect "$dir/template" | head -1 | sed 's/.*saved at \([^,]*\),.*/\1/')
+  "$strata" checkpoint inspect "$ckpt" | head -1 | grep -q "saved at $want" \
+    || { "$strata" checkpoint inspect "$ckpt" | head -1; echo "gpt reshard: not the layout of $want"; exit 1; }
 fi
 run "$n_after" after --steps 6 --resume "$ckpt" $after
 grep -q "resumed from $ckpt at step 4" "$dir/after.txt" || { cat "$dir/after.txt"; echo "gpt reshard: no resume"; exit 1; }

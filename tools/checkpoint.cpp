@@ -8,6 +8,8 @@
 //                            model.safetensors.index.json, streamed
 //   convert DIR --to-layout single --out OUT
 //                            the whole training state as one part
+//   convert DIR --like CKPT --out OUT
+//                            ... in the layout another checkpoint was saved under
 // LibTorch-free: it reads state.json through strata_checkpoint.
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -151,22 +153,27 @@ void add_checkpoint_command(CLI::App& app) {
                static_cast<double>(st.bytes) / 1e6 / std::max(st.seconds, 1e-9), format_bytes(peak_rss_bytes()));
   });
 
-  CLI::App* con = cmd->add_subcommand("convert", "rewrite a checkpoint in another layout (single: one part, whole "
-                                                 "tensors), streamed and atomic");
+  CLI::App* con = cmd->add_subcommand("convert", "rewrite a checkpoint in another layout, streamed and atomic: one "
+                                                 "part (--to-layout single), or another checkpoint's (--like)");
   auto* cdir = new std::string;
   auto* cout = new std::string;
   auto* layout = new std::string;
+  auto* like = new std::string;
   con->add_option("dir", *cdir, "checkpoint directory")->required();
   con->add_option("--out", *cout, "the converted checkpoint's directory (replaced atomically)")->required();
-  con->add_option("--to-layout", *layout, "single (tp 1 x pp 1; any layout loads it, as it loads the original)")
-      ->required();
-  con->callback([cdir, cout, layout] {
-    STRATA_CHECK(*layout == "single", "--to-layout ", *layout, ": only \"single\" is offline; a checkpoint loads "
-                 "under any other layout as it is (Engine::load reads each rank's part), so train under the new layout "
-                 "and --resume from it");
-    const checkpoint::ConvertStats st = checkpoint::convert_single(*cdir, *cout);
-    fmt::print("converted checkpoint {} ({}) to {} (tp 1 x pp 1): {} tensors, {} in {} tensor files, {:.1f} MB/s; "
-               "peak RSS {}\n", *cdir, st.layout, *cout, st.tensors, format_bytes(st.bytes), st.files,
+  con->add_option("--to-layout", *layout, "single: tp 1 x pp 1, whole tensors");
+  con->add_option("--like", *like, "a checkpoint of the same model under the layout wanted (its parts and cuts)");
+  con->callback([cdir, cout, layout, like] {
+    STRATA_CHECK(layout->empty() != like->empty(), "convert takes --to-layout single or --like CHECKPOINT (one of "
+                 "them): a layout's cuts of each parameter are the model's, so another sharded layout comes from a "
+                 "checkpoint saved under it (or train under it and --resume: a load reads any layout)");
+    STRATA_CHECK(layout->empty() || *layout == "single", "--to-layout ", *layout, ": only \"single\" needs no "
+                 "model; for another layout give --like a checkpoint saved under it");
+    const checkpoint::ConvertStats st =
+        like->empty() ? checkpoint::convert_single(*cdir, *cout) : checkpoint::convert_like(*cdir, *like, *cout);
+    fmt::print("converted checkpoint {} ({}) to {} ({}): {} tensors, {} in {} tensor files, {:.1f} MB/s; peak RSS {}\n",
+               *cdir, st.layout, *cout, like->empty() ? std::string("tp 1 x pp 1") : "the layout of " + *like,
+               st.tensors, format_bytes(st.bytes), st.files,
                static_cast<double>(st.bytes) / 1e6 / std::max(st.seconds, 1e-9), format_bytes(peak_rss_bytes()));
   });
 }

@@ -43,5 +43,8 @@ struct ConvertStats {
 ConvertStats export_hf(const std::string& dir, const std::string& out, uint64_t shard_bytes, DType dtype);
 /// Note [Converting a checkpoint]: the training state as one part (tp 1 x pp 1) at `out`.
 ConvertStats convert_single(const std::string& dir, const std::string& out);
+/// The same, into the layout of `like`, a checkpoint of the same model saved
+/// under the layout wanted (its part maps are the model's cuts there).
+ConvertStats convert_like(const std::string& dir, const std::string& like, const std::string& out);
 
 }  // namespace strata::checkpoint
