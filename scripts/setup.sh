@@ -26,6 +26,9 @@ shift
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 jobs="$(nproc)"
+# A test with no TIMEOUT of its own is stopped after this long: a hang fails one
+# test, with its output, instead of running until CI gives up on the whole run.
+test_timeout="${STRATA_TEST_TIMEOUT:-900}"
 step() { printf '\n==> %s\n' "$*"; }
 
 # What a build and the test suite need, on Debian 12 and in the trixie chroot.
@@ -141,7 +144,7 @@ if [ "$mode" = torch2-inside ]; then
     "-DCMAKE_C_FLAGS_RELEASE=-O2 -DNDEBUG" -DSTRATA_WITH_CUDA=OFF
   step "running the test suite against LibTorch 2.6 (ctest ${*:-all})"
   start=$SECONDS
-  (cd "$root/build-torch2" && ctest -j "$jobs" --output-on-failure "$@")
+  (cd "$root/build-torch2" && ctest -j "$jobs" --timeout "$test_timeout" --output-on-failure "$@")
   echo "LibTorch 2.6 test suite took $((SECONDS - start)) s"
   exit 0
 fi
@@ -168,14 +171,14 @@ fi
 
 step "running the test suite (ctest, all labels; gpu tests skip without a GPU)"
 start=$SECONDS
-(cd "$root/build" && ctest -j "$jobs" --output-on-failure)
+(cd "$root/build" && ctest -j "$jobs" --timeout "$test_timeout" --output-on-failure)
 echo "test suite took $((SECONDS - start)) s"
 
 configure_and_build build-asan -DSTRATA_SANITIZE=ON -DSTRATA_WITH_TORCH=OFF -DSTRATA_BUILD_EXAMPLES=OFF
 step "running the unit tests under AddressSanitizer + UndefinedBehaviorSanitizer"
 start=$SECONDS
 (cd "$root/build-asan" && ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1 \
-  ctest -j "$jobs" -L unit --output-on-failure)
+  ctest -j "$jobs" --timeout "$test_timeout" -L unit --output-on-failure)
 echo "sanitizer run took $((SECONDS - start)) s"
 
 # The concurrent parts (chunk manager threads, copy engine, NVMe store, the
@@ -188,7 +191,7 @@ build_targets=()
 step "running the concurrency tests under ThreadSanitizer"
 start=$SECONDS
 (cd "$root/build-tsan" && TSAN_OPTIONS=halt_on_error=1 \
-  ctest -j "$jobs" -R "Concurrency|NvmeStoreTest|ThreadCount|DeviceArena|EmulatedStreams|EvictionWaits|ArrivalNotTheCaller|ShortOfRoomWaitsForUploads|CopyEngine|ThreadPool" -E "Leftovers" \
+  ctest -j "$jobs" --timeout "$test_timeout" -R "Concurrency|NvmeStoreTest|ThreadCount|DeviceArena|EmulatedStreams|EvictionWaits|ArrivalNotTheCaller|ShortOfRoomWaitsForUploads|CopyEngine|ThreadPool" -E "Leftovers" \
   --output-on-failure)
 echo "thread sanitizer run took $((SECONDS - start)) s"
 

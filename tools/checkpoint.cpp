@@ -120,59 +120,62 @@ void verify(const std::string& dir) {
 
 }  // namespace
 
+// What the four subcommands read; the callbacks own it with the app (no leak at exit).
+struct CheckpointOptions {
+  std::string dir;
+  bool json = false;
+  std::string out;
+  std::string shard = "5GB";
+  std::string dtype = "fp32";
+  std::string layout;
+  std::string like;
+};
+
 void add_checkpoint_command(CLI::App& app) {
   CLI::App* cmd = app.add_subcommand("checkpoint", "inspect, verify or export an engine checkpoint, offline");
   cmd->require_subcommand(1);
+  auto o = std::make_shared<CheckpointOptions>();
 
   CLI::App* ins = cmd->add_subcommand("inspect", "the layout, step, tensors and files of a checkpoint");
-  auto* dir = new std::string;
-  auto* as_json = new bool(false);
-  ins->add_option("dir", *dir, "checkpoint directory")->required();
-  ins->add_flag("--json", *as_json, "print JSON");
-  ins->callback([dir, as_json] { inspect(*dir, *as_json); });
+  ins->add_option("dir", o->dir, "checkpoint directory")->required();
+  ins->add_flag("--json", o->json, "print JSON");
+  ins->callback([o] { inspect(o->dir, o->json); });
 
   CLI::App* ver = cmd->add_subcommand("verify", "check every file of a checkpoint against its manifest");
-  auto* vdir = new std::string;
-  ver->add_option("dir", *vdir, "checkpoint (or exported weights) directory")->required();
-  ver->callback([vdir] { verify(*vdir); });
+  ver->add_option("dir", o->dir, "checkpoint (or exported weights) directory")->required();
+  ver->callback([o] { verify(o->dir); });
 
   CLI::App* exp = cmd->add_subcommand("export", "one-process weights in Hugging Face's layout (sharded safetensors)");
-  auto* edir = new std::string;
-  auto* out = new std::string;
-  auto* shard = new std::string("5GB");
-  auto* dtype = new std::string("fp32");
-  exp->add_option("dir", *edir, "checkpoint directory")->required();
-  exp->add_option("--hf", *out, "output directory (replaced atomically; only an earlier export is replaced)")
+  exp->add_option("dir", o->dir, "checkpoint directory")->required();
+  exp->add_option("--hf", o->out, "output directory (replaced atomically; only an earlier export is replaced)")
       ->required();
-  exp->add_option("--shard-size", *shard, "the most bytes per shard file (e.g. 5GB, 512MiB)");
-  exp->add_option("--dtype", *dtype, "fp32, bf16 or fp16");
-  exp->callback([edir, out, shard, dtype] {
-    const checkpoint::ConvertStats st = checkpoint::export_hf(*edir, *out, parse_bytes(*shard), parse_dtype(*dtype));
+  exp->add_option("--shard-size", o->shard, "the most bytes per shard file (e.g. 5GB, 512MiB)");
+  exp->add_option("--dtype", o->dtype, "fp32, bf16 or fp16");
+  exp->callback([o] {
+    const checkpoint::ConvertStats st =
+        checkpoint::export_hf(o->dir, o->out, parse_bytes(o->shard), parse_dtype(o->dtype));
     fmt::print("exported {} tensors of checkpoint {} ({}) to {}: {} shard{}, {} in {}, {:.1f} MB/s; peak RSS {}\n",
-               st.tensors, *edir, st.layout, *out, st.files, st.files == 1 ? "" : "s", format_bytes(st.bytes), *dtype,
-               static_cast<double>(st.bytes) / 1e6 / std::max(st.seconds, 1e-9), format_bytes(peak_rss_bytes()));
+               st.tensors, o->dir, st.layout, o->out, st.files, st.files == 1 ? "" : "s", format_bytes(st.bytes),
+               o->dtype, static_cast<double>(st.bytes) / 1e6 / std::max(st.seconds, 1e-9),
+               format_bytes(peak_rss_bytes()));
   });
 
   CLI::App* con = cmd->add_subcommand("convert", "rewrite a checkpoint in another layout, streamed and atomic: one "
                                                  "part (--to-layout single), or another checkpoint's (--like)");
-  auto* cdir = new std::string;
-  auto* cout = new std::string;
-  auto* layout = new std::string;
-  auto* like = new std::string;
-  con->add_option("dir", *cdir, "checkpoint directory")->required();
-  con->add_option("--out", *cout, "the converted checkpoint's directory (replaced atomically)")->required();
-  con->add_option("--to-layout", *layout, "single: tp 1 x pp 1, whole tensors");
-  con->add_option("--like", *like, "a checkpoint of the same model under the layout wanted (its parts and cuts)");
-  con->callback([cdir, cout, layout, like] {
-    STRATA_CHECK(layout->empty() != like->empty(), "convert takes --to-layout single or --like CHECKPOINT (one of "
-                 "them): a layout's cuts of each parameter are the model's, so another sharded layout comes from a "
+  con->add_option("dir", o->dir, "checkpoint directory")->required();
+  con->add_option("--out", o->out, "the converted checkpoint's directory (replaced atomically)")->required();
+  con->add_option("--to-layout", o->layout, "single: tp 1 x pp 1, whole tensors");
+  con->add_option("--like", o->like, "a checkpoint of the same model under the layout wanted (its parts and cuts)");
+  con->callback([o] {
+    STRATA_CHECK(o->layout.empty() != o->like.empty(), "convert takes --to-layout single or --like CHECKPOINT (one "
+                 "of them): a layout's cuts of each parameter are the model's, so another sharded layout comes from a "
                  "checkpoint saved under it (or train under it and --resume: a load reads any layout)");
-    STRATA_CHECK(layout->empty() || *layout == "single", "--to-layout ", *layout, ": only \"single\" needs no "
-                 "model; for another layout give --like a checkpoint saved under it");
-    const checkpoint::ConvertStats st =
-        like->empty() ? checkpoint::convert_single(*cdir, *cout) : checkpoint::convert_like(*cdir, *like, *cout);
+    STRATA_CHECK(o->layout.empty() || o->layout == "single", "--to-layout ", o->layout, ": only \"single\" needs "
+                 "no model; for another layout give --like a checkpoint saved under it");
+    const checkpoint::ConvertStats st = o->like.empty() ? checkpoint::convert_single(o->dir, o->out)
+                                                        : checkpoint::convert_like(o->dir, o->like, o->out);
     fmt::print("converted checkpoint {} ({}) to {} ({}): {} tensors, {} in {} tensor files, {:.1f} MB/s; peak RSS {}\n",
-               *cdir, st.layout, *cout, like->empty() ? std::string("tp 1 x pp 1") : "the layout of " + *like,
+               o->dir, st.layout, o->out, o->like.empty() ? std::string("tp 1 x pp 1") : "the layout of " + o->like,
                st.tensors, format_bytes(st.bytes), st.files,
                static_cast<double>(st.bytes) / 1e6 / std::max(st.seconds, 1e-9), format_bytes(peak_rss_bytes()));
   });
