@@ -14,11 +14,16 @@ mkdir -p "$dir"
   --nvme-dir "$dir/nvme" --save-every 1 --checkpoint-dir "$dir/ckpt" > "$dir/train.txt" 2>&1 \
   || { cat "$dir/train.txt"; exit 1; }
 out="$dir/out"
+# The tool runs as the shell itself (exec) when $1 is "exec": run in the
+# background that way, $! is the tool's own pid, so kill -9 hits the writer
+# and not a subshell that would leave it running while the next round starts.
 export_to() {
+  run_as=
+  [ "${1:-}" = exec ] && run_as=exec
   if [ "$mode" = export ]; then
-    "$strata" checkpoint export "$dir/ckpt" --hf "$out" --shard-size 64KB > /dev/null 2>&1
+    $run_as "$strata" checkpoint export "$dir/ckpt" --hf "$out" --shard-size 64KB > /dev/null 2>&1
   else
-    "$strata" checkpoint convert "$dir/ckpt" --to-layout single --out "$out" > /dev/null 2>&1
+    $run_as "$strata" checkpoint convert "$dir/ckpt" --to-layout single --out "$out" > /dev/null 2>&1
   fi
 }
 done_file=model.safetensors.index.json
@@ -45,7 +50,7 @@ i=0
 while [ $i -lt 8 ]; do
   i=$((i + 1))
   [ $((i % 2)) -eq 0 ] && rm -rf "$out"
-  export_to &
+  export_to exec &
   pid=$!
   sleep "0.0$(od -An -N1 -tu1 /dev/urandom | tr -d ' ' | cut -c1)"
   kill -9 "$pid" 2>/dev/null || true

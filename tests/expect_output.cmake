@@ -19,6 +19,18 @@ endforeach()
 if(NOT cmd)
   message(FATAL_ERROR "expect_output.cmake: no command after the script")
 endif()
+# In CMake's regular expressions "." matches a newline too. "(.|\n)*" means the
+# same but backtracks exponentially: on a few KiB of output that does not
+# match (a sanitizer's report, say) the match runs for hours, and a failing
+# test hangs instead of failing. Write ".*".
+foreach(var REGEX REGEX2)
+  if(DEFINED ${var})
+    string(FIND "${${var}}" "(.|\n)" alternation)
+    if(NOT alternation EQUAL -1)
+      message(FATAL_ERROR "expect_output.cmake: write .* instead of (.|\\n)* in ${var} \"${${var}}\"")
+    endif()
+  endif()
+endforeach()
 execute_process(COMMAND ${cmd} RESULT_VARIABLE status OUTPUT_VARIABLE out ERROR_VARIABLE out)
 message("${out}")
 set(problems "")
