@@ -427,6 +427,22 @@ int64_t Engine::managed_parameters() const {
   return n;
 }
 
+memory::StepState Engine::step_state() const {
+  const EngineContext& ctx = impl_->ctx;
+  int64_t updated = 0;  // elements this rank updates (its shard under ZeRO)
+  for (const ManagedParam& p : ctx.params) {
+    const auto [begin, end] = ctx.owned(p);
+    updated += std::max<int64_t>(0, end - begin);
+  }
+  const auto n = static_cast<uint64_t>(updated);
+  memory::StepState s;
+  s.persistent = n * (4 + 4 * static_cast<uint64_t>(ctx.optimizer.state_count()));
+  s.gradients = n * dtype_size(ctx.options.precision);
+  s.memory = ctx.mgr->tier_stats(Tier::kDevice).budget + ctx.mgr->tier_stats(Tier::kHost).budget;
+  s.global_barrier = true;  // the overflow check skips a step on every family (StepPipeline::step)
+  return s;
+}
+
 int64_t Engine::model_state_bytes() const {
   return managed_parameters() *
          model_state_bytes_per_param(impl_->ctx.options.precision, impl_->ctx.optimizer.state_count());

@@ -39,6 +39,7 @@
 #include <vector>
 
 #include "strata/memory/chunk_manager.h"
+#include "strata/memory/traffic_bound.h"
 #include "strata/parallel/engine_options.h"
 #include "strata/parallel/optimizer.h"
 
@@ -211,6 +212,12 @@ class Engine {
   int64_t managed_parameters() const;
   /// Bytes of parameters, gradients, master weights and optimizer state.
   int64_t model_state_bytes() const;
+  /// This rank's optimizer step in the terms of Note [The least traffic of a
+  /// step] (strata/memory/traffic_bound.h): the fp32 parameters (or masters)
+  /// and optimizer state of the elements it updates, their gradients, and the
+  /// device and host tier budgets. memory::least_step_traffic() of it is the
+  /// NVMe traffic no schedule of the step can go below.
+  memory::StepState step_state() const;
   /// Families whose optimizer state lives on NVMe between steps, of num_families().
   size_t nvme_optim_families() const;
   size_t num_families() const;
