@@ -33,7 +33,7 @@ struct Engine::Impl::CheckpointLoad {
         s(engine.ctx),
         tensor(s.tensor_group != nullptr && s.tensor_group->world_size() > 1 ? s.tensor_group : nullptr),
         pipe(s.options.pipeline_group != nullptr && s.options.pipeline_group->world_size() > 1
-                 ? s.options.pipeline_group
+                 ? s.options.pipeline_group.get()
                  : nullptr),
         parts((tensor ? tensor->world_size() : 1) * (pipe ? pipe->world_size() : 1)),
         part((pipe ? pipe->rank() : 0) * (tensor ? tensor->world_size() : 1) + (tensor ? tensor->rank() : 0)),

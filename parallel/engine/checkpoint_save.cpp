@@ -67,7 +67,7 @@ struct Engine::Impl::CheckpointSave {
         dir(checkpoint_dir),
         tensor(s.tensor_group != nullptr && s.tensor_group->world_size() > 1 ? s.tensor_group : nullptr),
         pipe(s.options.pipeline_group != nullptr && s.options.pipeline_group->world_size() > 1
-                 ? s.options.pipeline_group
+                 ? s.options.pipeline_group.get()
                  : nullptr),
         tensor_size(tensor ? tensor->world_size() : 1),
         parts(tensor_size * (pipe ? pipe->world_size() : 1)),

@@ -143,7 +143,7 @@ kernels::GradStats StepPipeline::grad_stats() {
   // Note [Clipping across the tensor group]: slices summed over the group, each copy once.
   if (ctx_.tensor_group != nullptr) total = sum_over(ctx_.tensor_group, total.sum_sq - replicated, total.finite);
   // Pipeline stages hold disjoint parameters: their squares add up, and one overflow skips every stage's step.
-  return sum_over(ctx_.options.pipeline_group, total.sum_sq, total.finite);
+  return sum_over(ctx_.options.pipeline_group.get(), total.sum_sq, total.finite);
 }
 
 // Note [Clipping across the tensor group]

@@ -176,9 +176,11 @@ struct Pipeline::Impl {
   PipelineOptions options;
   int p = 1, r = 0, v = 1, S = 1, m = 1;
   std::vector<int> bounds;
-  // Note [Parameters across stages]: the other ranks' stages' parameters,
-  // named "<layer>.<name> (stage <s>)"; none may get a gradient here.
-  std::vector<std::pair<std::string, torch::Tensor>> foreign;
+  // Note [Parameters across stages]: every parameter of the model, named
+  // "<layer>.<name> (stage <s>)" in stage order (the same on every rank), and
+  // the other ranks' stages' ones by their index there: none may get a gradient here.
+  std::vector<std::string> names;
+  std::vector<std::pair<size_t, torch::Tensor>> foreign;
   std::shared_ptr<StagesModule> holder = std::make_shared<StagesModule>();
   std::map<int, torch::nn::Sequential> stage_modules;  // by virtual stage
   std::vector<Action> actions;
@@ -593,7 +595,9 @@ Pipeline::Pipeline(torch::nn::Sequential model, std::shared_ptr<Communicator> gr
   // embedding) as a copy nobody updates: wrong results without an error. The
   // first is refused here, on every rank alike and before any collective;
   // the second shows as a gradient on a rank that does not own the
-  // parameter, refused after the step's passes, before its optimizer runs.
+  // parameter, found after the step's passes. The ranks then tell each other
+  // (in the gather that brings the last stage's loss to every rank), and
+  // every rank refuses the step before its optimizer runs.
   std::unordered_map<const c10::TensorImpl*, std::pair<int, std::string>> owner;
   std::vector<bool> mine(d.S, false);
   for (int c = 0; c < d.v; ++c) mine[c * d.p + d.r] = true;
@@ -602,13 +606,14 @@ Pipeline::Pipeline(torch::nn::Sequential model, std::shared_ptr<Communicator> gr
       for (const auto& item : (model->begin() + i)->ptr()->named_parameters()) {
         const std::string name = fmt::format("{}.{} (stage {})", i, item.key(), s);
         const auto [it, fresh] = owner.emplace(item.value().unsafeGetTensorImpl(), std::make_pair(s, name));
+        if (fresh) d.names.push_back(name);
         STRATA_CHECK(fresh || it->second.first == s, "parameter ", name, " is also ", it->second.second,
                      ": a parameter shared across pipeline stages would train as two copies; cut the model so both "
                      "layers are on one stage (boundaries), or give each its own");
         if (fresh && !mine[s] && item.value().requires_grad()) {
           torch::Tensor p = item.value();
           p.mutable_grad() = torch::Tensor();
-          d.foreign.emplace_back(name, p);
+          d.foreign.emplace_back(d.names.size() - 1, p);
         }
       }
     }
@@ -639,7 +644,7 @@ torch::nn::Module& Pipeline::module() { return *impl_->holder; }
 Engine& Pipeline::attach(OptimizerConfig optimizer, EngineOptions options, std::shared_ptr<Communicator> data_parallel) {
   Impl& d = *impl_;
   STRATA_CHECK(d.engine == nullptr, "this pipeline is attached already");
-  options.pipeline_group = d.group.get();  // also names each stage's trace (TraceRecorder)
+  options.pipeline_group = d.group;  // also names each stage's trace (TraceRecorder)
   // Note [Checkpoints across layouts]: parameters by the model's own names,
   // so that another cut into stages finds them. A manual split's stages
   // number their layers from 0 each: their names keep the stage.
@@ -670,23 +675,32 @@ StepResult Pipeline::step(const torch::Tensor& inputs, const torch::Tensor& targ
     result = e.train_step_passes([&](double scale) {
       const double l = d.run_actions(scale);
       d.end_step();
-      for (const auto& [name, p] : d.foreign) {  // Note [Parameters across stages]
-        STRATA_CHECK(!p.grad().defined(), "pipeline rank ", d.r, "'s stages used parameter ", name,
-                     ", which another stage owns (it got a gradient here): a layer that uses another layer's "
-                     "parameter by reference (an output projection tied to the token embedding) cannot be cut "
-                     "apart from it; keep both on one stage (boundaries), or untie it");
+      // Note [Parameters across stages]: 1 + the index of the first foreign
+      // parameter that got a gradient here, 0 for none, gathered with the
+      // loss (the last stage's) so every rank refuses the step alike.
+      double used = 0;
+      for (const auto& [index, p] : d.foreign) {
+        if (p.grad().defined()) {
+          used = 1.0 + static_cast<double>(index);
+          break;
+        }
       }
-      return l;
+      std::vector<double> all{d.r == d.p - 1 ? l : 0.0, used};
+      if (d.p > 1) all = all_gather_values(*d.group, all);
+      for (int r = 0; r < d.p; ++r) {
+        const double u = all[2 * r + 1];
+        STRATA_CHECK(u == 0, "pipeline rank ", r, "'s stages used parameter ", d.names.at(static_cast<size_t>(u) - 1),
+                     ", which another stage owns (it got a gradient on that rank): a layer that uses another "
+                     "layer's parameter by reference (an output projection tied to the token embedding) cannot be "
+                     "cut apart from it; keep both on one stage (boundaries), or untie it");
+      }
+      return all[2 * (d.p - 1)];  // the last stage's loss
     });
   } catch (...) {
     d.abandon();
     throw;
   }
-  // The loss lives on the last stage: every rank reports it.
-  if (d.p > 1) {
-    const std::vector<double> all = all_gather_values(*d.group, {d.r == d.p - 1 ? result.loss : 0.0});
-    result.loss = all[d.p - 1];
-  }
+  // The loss lives on the last stage: every rank reports it (gathered above).
   d.timing.step = seconds_since(t0);
   return result;
 }

@@ -217,8 +217,8 @@ struct Args {
 // zero (engine options asking for another ZeRO stage than the plan's),
 // shared-across-stages (a parameter the first and last layers both register,
 // the pipeline cutting them apart), tied-across-stages (the last layer using
-// the first's table by reference: refused on the last stage's rank after the
-// first step's passes; the other ranks then fail at the next collective).
+// the first's table by reference: found on the last stage's rank after the
+// first step's passes, and refused there and on every other rank alike).
 int refusals(const Args& a) {
   const Rendezvous r = Rendezvous::from_env();
   std::shared_ptr<Communicator> world = make_gloo_communicator(r);
@@ -247,7 +247,7 @@ int refusals(const Args& a) {
     want = "a parameter shared across pipeline stages would train as two copies";
   } else if (a.refuse == "tied-across-stages") {
     plan.pp.size = r.world_size;
-    want = "which another stage owns (it got a gradient here)";
+    want = "which another stage owns (it got a gradient on that rank)";
   } else {
     STRATA_FAIL("unknown --refuse case ", a.refuse, "; choose no-attention, no-layers, grid, zero, "
                 "shared-across-stages or tied-across-stages");
@@ -271,8 +271,8 @@ int refusals(const Args& a) {
   std::printf("rank %d: refused (%s): %s\n", r.rank, a.refuse.c_str(), got.c_str());
   std::fflush(stdout);
   // Rank 0 serves the store: no rank leaves while another still forms its
-  // groups. Not after a step: the other stages wait in the step's collectives.
-  if (a.refuse != "tied-across-stages") world->barrier()->wait();
+  // groups (after the refused step, too: every rank refused it).
+  world->barrier()->wait();
   return 0;
 }
 

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 
 #include "strata/core/dtype.h"
@@ -99,9 +100,9 @@ struct EngineOptions {
   std::string init_weights_names;
   /// Pipeline parallel: the pipeline group, over which the gradient norm
   /// and the overflow flag are summed, so every stage clips by the model's
-  /// norm and skips the same steps (pipeline::Pipeline::attach sets it). Not
-  /// owned; it must outlive the engine.
-  Communicator* pipeline_group = nullptr;
+  /// norm and skips the same steps (pipeline::Pipeline::attach sets it from
+  /// its mesh's group). Shared: the engine keeps it as long as it lives.
+  std::shared_ptr<Communicator> pipeline_group;
   /// The name a checkpoint gives parameter `name` (as the attached module's
   /// named_parameters() names it); null: that name. pipeline::Pipeline::attach
   /// sets it to the model's own names (without "stage<s>."), so that a
