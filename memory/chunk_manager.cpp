@@ -45,6 +45,13 @@ AlignedBuffer aligned_buffer(size_t alignment, size_t bytes) {
   return AlignedBuffer(p);
 }
 
+// Note [Resident memory within the tier]: the host arena holds no more
+// resident than the host tier's budget, unless told otherwise.
+offload::HostArenaOptions host_arena_options(offload::HostArenaOptions options, uint64_t host_budget) {
+  if (options.resident_limit == 0) options.resident_limit = host_budget;
+  return options;
+}
+
 std::vector<int64_t> numels_of(const std::vector<TensorSpec>& tensors) {
   std::vector<int64_t> numels;
   numels.reserve(tensors.size());
@@ -57,7 +64,7 @@ std::vector<int64_t> numels_of(const std::vector<TensorSpec>& tensors) {
 ChunkManager::ChunkManager(ChunkManagerOptions options)
     : budgets_(options.budgets),
       device_(options.device ? std::move(options.device) : offload::make_device_memory()),
-      host_(options.host_arena),
+      host_(host_arena_options(options.host_arena, options.budgets.host)),
       nvme_(std::move(options.nvme)),
       policy_(options.policy ? std::move(options.policy) : std::make_unique<LruPolicy>()),
       world_size_(options.world_size),
@@ -382,6 +389,8 @@ void ChunkManager::transfer(Chunk& c, Tier to, Lock& lock) {
   moves_.bytes[static_cast<int>(from)][static_cast<int>(to)] += bytes;
   moves_.count[static_cast<int>(from)][static_cast<int>(to)] += 1;
   if (!t_in_prefetch) moves_.demand_bytes[static_cast<int>(from)][static_cast<int>(to)] += bytes;
+  if (from == Tier::kNvme) moves_.nvme_read_by_role[static_cast<size_t>(c.role())] += bytes;
+  if (to == Tier::kNvme) moves_.nvme_written_by_role[static_cast<size_t>(c.role())] += bytes;
   idle_.notify_all();
 }
 

@@ -4,6 +4,7 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <atomic>
 #include <cstring>
 #include <map>
@@ -50,7 +51,65 @@ struct HostArena::Impl {
   char* reserve = nullptr;
   std::optional<ExtentAllocator> large;
   std::unordered_map<void*, Extent> large_live;
-  uint64_t large_touched = 0;  // the highest offset handed out: what the reservation holds resident at most
+  // Note [Resident memory within the tier]: the reservation's ranges that
+  // may be resident (handed out since last released), start -> end, merged.
+  std::map<uint64_t, uint64_t> resident;
+  uint64_t resident_bytes = 0;
+  uint64_t released_bytes = 0;
+
+  void add_resident(uint64_t begin, uint64_t end) {
+    auto it = resident.upper_bound(begin);
+    if (it != resident.begin() && std::prev(it)->second >= begin) --it;
+    while (it != resident.end() && it->first <= end) {  // overlapping or touching: absorb
+      begin = std::min(begin, it->first);
+      end = std::max(end, it->second);
+      resident_bytes -= it->second - it->first;
+      it = resident.erase(it);
+    }
+    resident.emplace(begin, end);
+    resident_bytes += end - begin;
+  }
+
+  // Releases the resident pages of free range [begin, end), at most `want`
+  // bytes of them (in whole alignment units), from the top; returns the bytes released.
+  uint64_t release(uint64_t begin, uint64_t end, uint64_t want) {
+    uint64_t done = 0;
+    while (done < want) {
+      auto it = resident.lower_bound(end);  // the first range starting at or above `end`
+      if (it == resident.begin()) break;
+      --it;
+      if (it->second <= begin) break;
+      const uint64_t lo = std::max(it->first, begin), hi = std::min(it->second, end);
+      const uint64_t from = hi - std::min(hi - lo, round_up(want - done, options.alignment));
+      if (madvise(reserve + from, hi - from, MADV_DONTNEED) != 0) {
+        STRATA_LOG(kWarn, "host arena: madvise(MADV_DONTNEED) of {} failed ({}); the arena stays above its "
+                   "resident limit", format_bytes(hi - from), std::strerror(errno));
+        break;
+      }
+      const uint64_t first = it->first, last = it->second;
+      resident.erase(it);
+      if (first < from) resident.emplace(first, from);
+      if (hi < last) resident.emplace(hi, last);
+      resident_bytes -= hi - from;
+      done += hi - from;
+      end = from;
+    }
+    return done;
+  }
+
+  // Brings the resident bytes back within the limit by releasing free
+  // ranges, highest first, so low addresses (where first fit allocates)
+  // stay warm.
+  // jemalloc's own mappings (small chunks, the arena's metadata) count too.
+  void release_over_limit() {
+    const auto over = [&] { return mapped_bytes + resident_bytes > options.resident_limit; };
+    if (options.resident_limit == 0 || !over()) return;
+    const auto& free = large->free_in(0);
+    for (auto it = free.rbegin(); it != free.rend() && over(); ++it) {
+      released_bytes +=
+          release(it->first, it->first + it->second, mapped_bytes + resident_bytes - options.resident_limit);
+    }
+  }
 
   // From the reservation, or nullptr to use jemalloc (pinned arenas, small
   // sizes, no reservation, or none of it fits).
@@ -74,7 +133,8 @@ struct HostArena::Impl {
     if (!e) return nullptr;
     void* ptr = reserve + e->offset;
     large_live.emplace(ptr, *e);
-    large_touched = std::max(large_touched, e->offset + e->bytes);
+    add_resident(e->offset, e->offset + e->bytes);
+    release_over_limit();
     allocated_bytes += e->bytes;
     return ptr;
   }
@@ -223,7 +283,8 @@ unsigned HostArena::arena_index() const noexcept { return impl_->arena; }
 HostArenaStats HostArena::stats() const {
   std::lock_guard<std::mutex> lock(impl_->mutex);
   HostArenaStats s;
-  s.mapped_bytes = impl_->mapped_bytes + impl_->large_touched;
+  s.mapped_bytes = impl_->mapped_bytes + impl_->resident_bytes;
+  s.released_bytes = impl_->released_bytes;
   s.allocated_bytes = impl_->allocated_bytes.load();
   s.mappings = impl_->mappings.size();
   s.pinned = !impl_->mappings.empty() && impl_->all_pinned;

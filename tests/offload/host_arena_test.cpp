@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
 #include <fstream>
 #include <string>
@@ -91,6 +92,81 @@ TEST(HostArena, FreedNeighboursServeALargerChunk) {
   EXPECT_EQ(arena.stats().allocated_bytes, uint64_t{8} << 20);
   arena.deallocate(c);
   EXPECT_EQ(arena.stats().allocated_bytes, 0u);
+}
+
+uint64_t vm_rss() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("VmRSS:", 0) == 0) return std::stoull(line.substr(6)) * 1024;
+  }
+  return 0;
+}
+
+// Chunks of many sizes coming and going, never more than `live_limit` live
+// at once; every block filled with its tag and checked when freed. Returns
+// the most resident bytes the arena reported after any allocation.
+uint64_t churn(HostArena& arena, uint64_t live_limit, uint64_t check_limit) {
+  std::mt19937 rng(11);
+  std::uniform_int_distribution<size_t> mib(1, 24);
+  struct Block {
+    unsigned char* p;
+    size_t bytes;
+    unsigned char tag;
+  };
+  std::vector<Block> live;
+  uint64_t live_bytes = 0, most = 0;
+  const auto free_one = [&](size_t i) {
+    const Block b = live[i];
+    for (size_t k = 0; k < b.bytes; k += 4096) EXPECT_EQ(b.p[k], b.tag) << "block of " << b.bytes << " at " << k;
+    EXPECT_EQ(b.p[b.bytes - 1], b.tag);
+    arena.deallocate(b.p);
+    live_bytes -= b.bytes;
+    live.erase(live.begin() + static_cast<std::ptrdiff_t>(i));
+  };
+  for (int op = 0; op < 240; ++op) {
+    const size_t bytes = mib(rng) << 20;
+    while (live_bytes + bytes > live_limit) free_one(rng() % live.size());
+    auto* p = static_cast<unsigned char*>(arena.allocate(bytes));
+    const auto tag = static_cast<unsigned char>(op + 1);
+    std::memset(p, tag, bytes);  // touched for real: the pages are resident now
+    live.push_back({p, bytes, tag});
+    live_bytes += bytes;
+    const uint64_t resident = arena.stats().mapped_bytes;
+    most = std::max(most, resident);
+    if (check_limit != 0) EXPECT_LE(resident, check_limit) << "after allocation " << op;
+  }
+  while (!live.empty()) free_one(live.size() - 1);
+  return most;
+}
+
+// Note [Resident memory within the tier]: first fit over one reservation
+// still fragments, so without a limit this churn holds more resident than
+// ever lives at once; with one, the arena releases free ranges and its
+// resident bytes (and the process's RSS) stay within the limit, every
+// block's contents intact.
+TEST(HostArena, ResidentBytesStayWithinTheLimitUnderMixedSizeChurn) {
+  constexpr uint64_t kLive = uint64_t{96} << 20;
+  HostArenaOptions o;
+  o.pin = false;
+  {
+    HostArena unbounded(o);
+    const uint64_t most = churn(unbounded, kLive, 0);
+    EXPECT_GT(most, kLive) << "the churn should fragment first fit, or it tests nothing";
+    EXPECT_EQ(unbounded.stats().released_bytes, 0u);
+  }
+  // The limit covers jemalloc's own mappings too (its metadata, mapped
+  // when the arena is made): live chunks stay that much below it.
+  o.resident_limit = kLive;
+  HostArena bounded(o);
+  const uint64_t own = bounded.stats().mapped_bytes;
+  ASSERT_LT(own, kLive / 8);
+  const uint64_t rss_before = vm_rss();
+  const uint64_t most = churn(bounded, kLive - own, kLive);
+  EXPECT_LE(most, kLive);
+  EXPECT_GT(bounded.stats().released_bytes, 0u);
+  EXPECT_EQ(bounded.stats().allocated_bytes, 0u);
+  EXPECT_LE(vm_rss(), rss_before + kLive + (uint64_t{16} << 20)) << "the released pages left the process";
 }
 
 TEST(HostArena, ArenasAreSeparate) {

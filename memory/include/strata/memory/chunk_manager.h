@@ -103,6 +103,10 @@ struct MoveStats {
   // that works turns them into background moves. Unlike stall time, the
   // count depends only on what was prefetched, not on timing.
   std::array<std::array<uint64_t, kNumTiers>, kNumTiers> demand_bytes{};
+  // NVMe traffic by the moved chunk's role (ChunkRole): bytes read from and
+  // written to the nvme tier, finished moves only.
+  std::array<uint64_t, 4> nvme_read_by_role{};
+  std::array<uint64_t, 4> nvme_written_by_role{};
   uint64_t stalls = 0;         // calls that waited for a chunk's move in flight
   double stall_seconds = 0.0;  // time spent in those waits
   uint64_t stall_bytes = 0;    // bytes of the chunks those calls waited for

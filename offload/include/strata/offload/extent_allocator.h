@@ -32,6 +32,8 @@ class ExtentAllocator {
   uint64_t used() const noexcept { return used_; }
   uint64_t largest_free() const;
   size_t free_extents() const;
+  /// File `file`'s free extents, offset -> bytes, neighbours merged.
+  const std::map<uint64_t, uint64_t>& free_in(int file) const { return free_.at(static_cast<size_t>(file)); }
 
  private:
   uint64_t alignment_;

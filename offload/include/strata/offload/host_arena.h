@@ -14,19 +14,6 @@
 // like PyTorch's CachingHostAllocator keeps pinned blocks. Merges are refused
 // across mappings so an extent never spans two registrations.
 //
-// Note [One reservation, so freed extents merge]
-// Chunks come in many sizes and go in any order. If every extent were a
-// mapping of its own, a freed 100 MiB extent next to a freed 150 MiB one
-// could not serve a 256 MiB chunk, and since mappings are never returned,
-// the arena's resident memory would grow far past the most ever live (2.4x
-// in the mixed-size churn test; a 3B-parameter run went from a 12 GiB host
-// budget to 24 GB resident). So the arena reserves 1 TiB of address space
-// once (MAP_NORESERVE: no memory until a page is touched) and carves extents
-// from it in order; unpinned, any two neighbouring extents merge. Pinned
-// pieces (a CUDA machine) still merge only within their own registration.
-// Purging freed pages instead (madvise) was measured: every chunk read then
-// faults its pages in again, and steps ran 4x slower.
-//
 // Note [Large chunks from one reservation]
 // Chunks come in many sizes and go in any order, and the arena never gives
 // memory back. jemalloc coalesces freed large extents lazily, so a freed
@@ -42,6 +29,21 @@
 // jemalloc path (registration per mapping). Purging freed pages (madvise)
 // was tried instead: every chunk read then faulted its pages in again, and
 // steps ran 4x slower on this machine.
+//
+// Note [Resident memory within the tier]
+// First fit still fragments: 107 chunk families of many sizes, coming and
+// going, left holes no later chunk fitted, and a 3B-parameter run touched
+// 13.47 GiB of the reservation for a 12 GiB host tier, which its budget
+// never allowed. So the arena keeps the ranges it may hold resident (every
+// extent handed out since its pages were last released) and, given a
+// `resident_limit` (the chunk manager passes the tier's budget), releases
+// free ranges (madvise MADV_DONTNEED, highest addresses first) whenever an
+// allocation takes the resident bytes past it. Live bytes never exceed the
+// budget (the chunk manager's accounting), so released free pages always
+// bring the arena back within it; a released page that is handed out again
+// faults in as a zero page, a cost paid only when fragmentation would
+// otherwise have grown memory. Pinned arenas (jemalloc's mappings,
+// page-locked) cannot release pages and are not bounded this way.
 // The arena is separate from the process heap: a leak or overrun elsewhere in
 // the process does not land in chunk memory, and chunk churn does not
 // fragment the heap LibTorch allocates from.
@@ -62,10 +64,15 @@ struct HostArenaOptions {
   std::optional<unsigned> numa_node;
   /// Allocation alignment; a power of two, at least 4 KiB (O_DIRECT, pages).
   size_t alignment = 4096;
+  /// Unpinned: the most bytes the arena may hold resident (mapped_bytes:
+  /// live and freed allocations, and jemalloc's own mappings); 0: no limit
+  /// (Note [Resident memory within the tier]).
+  uint64_t resident_limit = 0;
 };
 
 struct HostArenaStats {
-  uint64_t mapped_bytes = 0;     // taken from the OS (retained until destruction)
+  uint64_t mapped_bytes = 0;     // may be resident: jemalloc's mappings, and the reservation's ranges not released
+  uint64_t released_bytes = 0;   // freed ranges of the reservation given back to the OS so far (resident_limit)
   uint64_t allocated_bytes = 0;  // live allocations (usable sizes)
   uint64_t mappings = 0;
   bool pinned = false;           // every mapping so far was page-locked
