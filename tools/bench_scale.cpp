@@ -14,6 +14,7 @@
 // goal is 1.5x. On the emulated device the device tier is host memory, so the
 // RSS target is the host and device budgets + 1 GiB.
 #include <fmt/format.h>
+#include <malloc.h>
 
 #include <chrono>
 #include <cmath>
@@ -152,6 +153,7 @@ void run_scale_bench(const ScaleBenchOptions& o) {
   fs::remove_all(probe);
   ComputeFloor floor = compute_floor(mc, compute, o.batch);
   floor.total = floor.ends + mc.layers * floor.block;
+  ::malloc_trim(0);  // what the resident models freed leaves the heap: the peak below is the engine's
 
   reset_peak_rss();
   const uint64_t rss0 = status_bytes("VmRSS");
@@ -202,18 +204,36 @@ void run_scale_bench(const ScaleBenchOptions& o) {
   for (int s = 1; s <= o.steps; ++s) {
     const torch::Tensor tokens = torch::randint(0, mc.vocab, {o.batch, o.context + 1});
     const torch::Tensor x = tokens.slice(1, 0, o.context), y = tokens.slice(1, 1, o.context + 1);
-    const Traffic before = nvme_traffic(engine->chunks().move_stats());
+    const parallel::Engine::DataWait wait_before = engine->data_wait();
+    const mem::MoveStats moves_before = engine->chunks().move_stats();
+    const Traffic before = nvme_traffic(moves_before);
     t = Clock::now();
     const double loss = engine->train_step([&] { return examples::gpt_loss(model->forward(x), y); }).loss;
     const double step_s = since(t);
     total_s += step_s;
-    const Traffic after = nvme_traffic(engine->chunks().move_stats());
+    const mem::MoveStats moves_after = engine->chunks().move_stats();
+    const parallel::Engine::DataWait wait_after = engine->data_wait();
+    const double wait_ops = wait_after.operators - wait_before.operators;
+    const double wait_optim = wait_after.optimizer - wait_before.optimizer;
+    const Traffic after = nvme_traffic(moves_after);
+    // The step's NVMe traffic by what moved: each role's bytes read / written.
+    nlohmann::json by_role = nlohmann::json::object();
+    std::string roles;
+    for (size_t r = 0; r < moves_after.nvme_read_by_role.size(); ++r) {
+      const uint64_t rd = moves_after.nvme_read_by_role[r] - moves_before.nvme_read_by_role[r];
+      const uint64_t wr = moves_after.nvme_written_by_role[r] - moves_before.nvme_written_by_role[r];
+      const char* name = mem::chunk_role_name(static_cast<mem::ChunkRole>(r));
+      by_role[name] = {{"read_bytes", rd}, {"written_bytes", wr}};
+      if (rd + wr > 0) roles += fmt::format("{}{} {} / {}", roles.empty() ? "" : ", ", name, format_bytes(rd),
+                                            format_bytes(wr));
+    }
     const uint64_t read = after.read - before.read, written = after.written - before.written;
     const double moved_s = memory::Traffic{read, written}.seconds(read_gbps, write_gbps);
     const double ratio = target_s > 0 ? step_s / target_s : 0;
     steps.push_back({{"step", s}, {"seconds", step_s}, {"nvme_read_bytes", read}, {"nvme_written_bytes", written},
                      {"moved_seconds", moved_s}, {"ratio_to_moved", moved_s > 0 ? step_s / moved_s : 0},
-                     {"ratio_to_least", ratio}, {"loss", loss}});
+                     {"ratio_to_least", ratio}, {"loss", loss}, {"nvme_by_role", by_role},
+                     {"operators_waited_seconds", wait_ops}, {"optimizer_waited_seconds", wait_optim}});
     if (!o.json) {
       const offload::HostArenaStats arena = engine->chunks().host_arena().stats();
       fmt::print("{:<5} {:>9.1f} {:>11} {:>11} {:>9.1f} {:>8.1f} {:>8.1f} {:>7.2f}x {:>10.4f}   RSS {} (host arena: {} "
@@ -221,6 +241,8 @@ void run_scale_bench(const ScaleBenchOptions& o) {
                  s, step_s, format_bytes(read), format_bytes(written), moved_s, least_s, floor.total, ratio, loss,
                  format_bytes(status_bytes("VmRSS")), format_bytes(arena.mapped_bytes),
                  format_bytes(arena.allocated_bytes));
+      fmt::print("      nvme read / written by role: {}; waited for chunks: operators {:.1f} s, optimizer {:.1f} s\n",
+                 roles.empty() ? "none" : roles, wait_ops, wait_optim);
       std::fflush(stdout);
     }
   }
