@@ -141,6 +141,7 @@ Engine::Impl::Impl(torch::nn::Module& module, OptimizerConfig optimizer, EngineO
   access = std::make_unique<ParamAccess>(ctx, *sink);
   if (ctx.stage == 1 || ctx.stage == 2) step_gathers = std::make_unique<StepGathers>(ctx);
   pipeline = std::make_unique<StepPipeline>(ctx, *sink, step_gathers.get());
+  sink->set_arrival_hook([p = pipeline.get()](memory::FamilyId f, bool complete) { p->gradients_arrived(f, complete); });
   pipeline->place_optimizer_state();
   residency.hold_static_chunks();
   ctx.mgr->set_placement_listener(

@@ -175,6 +175,10 @@ void Engine::Impl::begin_final_backward() {
   if (tracing()) recorder->set_phase("backward");
   if (reducer && boundary_) reducer->begin();
   if (ctx.options.prefetch && boundary_) pipeline->read_state_early();
+  // Note [Gradient statistics as families complete]: not when a reduction changes the gradients after they arrive.
+  const bool track = boundary_ && reducer == nullptr;
+  pipeline->track_gradients(track);
+  sink->track(track);
 }
 
 StepResult Engine::Impl::run_step(const std::function<double(double)>& passes,
@@ -209,6 +213,7 @@ StepResult Engine::Impl::run_step(const std::function<double(double)>& passes,
     }
     if (reducer && boundary_) reducer->finish();
     if (boundary_ && before_step) {
+      pipeline->track_gradients(false);  // the user's hook may change gradients: the step takes their statistics
       // The gradients the step applies, before clipping: Engine::grad().
       access->open_grads(1.0 / (ctx.options.grad_accumulation * ctx.world() * r.loss_scale));
       try {

@@ -76,9 +76,33 @@ void GradSink::accumulate(size_t index, const torch::Tensor& grad) {
     ctx_.unpin(gc, {p.slot});
     throw;
   }
+  p.has_grad = true;  // before the hook: the statistics it may take count this gradient
+  if (tracking_ && hook_) {
+    bool complete = false;
+    if (!arrived_[index]) {
+      arrived_[index] = true;
+      complete = --missing_[ctx_.family_pos.at(p.family)] == 0;
+    }
+    try {
+      hook_(p.family, complete);
+    } catch (...) {
+      ctx_.unpin(gc, {p.slot});
+      throw;
+    }
+  }
   ctx_.unpin(gc, {p.slot});
-  p.has_grad = true;
   if (reducer_ != nullptr && reducer_->active()) reducer_->arrived(p.family);
+}
+
+void GradSink::track(bool on) {
+  std::lock_guard<std::mutex> lock(mu_);
+  tracking_ = on;
+  if (!on) return;
+  arrived_.assign(ctx_.params.size(), false);
+  missing_.assign(ctx_.families.size(), 0);
+  for (const ManagedParam& p : ctx_.params) {
+    if (p.accumulator != nullptr) missing_[ctx_.family_pos.at(p.family)] += 1;
+  }
 }
 
 void GradSink::zero() {
@@ -88,6 +112,8 @@ void GradSink::zero() {
     if (fam.grad_shard) ctx_.mgr->release(*fam.grad_shard);
   }
   for (ManagedParam& p : ctx_.params) p.has_grad = false;
+  std::lock_guard<std::mutex> lock(mu_);
+  tracking_ = false;
 }
 
 }  // namespace strata::parallel

@@ -5,7 +5,9 @@
 // tells the data-parallel reducer, when there is one, that it arrived.
 // Between steps the gradient chunks are dropped (zero()).
 
+#include <functional>
 #include <mutex>
+#include <vector>
 
 #include "../runtime/context.h"
 
@@ -43,10 +45,24 @@ class GradSink {
   /// only to be cleared.
   void zero();
 
+  /// Note [Gradient statistics as families complete]: `hook(family,
+  /// complete)` runs on every arrival while tracking, with the family's
+  /// gradient chunk pinned where the sink wrote it; `complete` is true
+  /// when every trainable parameter of the family has arrived once since
+  /// track(true).
+  void set_arrival_hook(std::function<void(memory::FamilyId, bool complete)> hook) { hook_ = std::move(hook); }
+  /// Starts (or stops) counting arrivals afresh: at the backward that ends
+  /// an accumulation, when nothing changes the gradients after it.
+  void track(bool on);
+
  private:
   EngineContext& ctx_;
   GradientReducer* reducer_;
   std::mutex mu_;
+  std::function<void(memory::FamilyId, bool)> hook_;
+  bool tracking_ = false;
+  std::vector<bool> arrived_;     // by parameter index, since track(true)
+  std::vector<size_t> missing_;   // by family position: trainable parameters not yet arrived
 };
 
 }  // namespace strata::parallel

@@ -98,22 +98,52 @@ void StepPipeline::read_state_early() {
   }
 }
 
-// One read of every gradient chunk; at stages 2-3 the ranks' partial sums of
-// their shards are summed in rank order, so every rank gets the same norm.
+void StepPipeline::track_gradients(bool on) {
+  track_ = on;
+  early_stats_.assign(ctx_.families.size(), std::nullopt);
+  early_replicated_.assign(ctx_.families.size(), 0.0);
+}
+
+void StepPipeline::gradients_arrived(memory::FamilyId f, bool complete) {
+  if (!track_) return;
+  const size_t pos = ctx_.family_pos.at(f);
+  early_stats_[pos].reset();  // a gradient arrived: what was taken before no longer holds
+  const ChunkId gc = ctx_.step_grad(f);
+  memory::ChunkManager& mgr = *ctx_.mgr;
+  if (!complete || gc != mgr.family(f).grad || !mgr.chunk(gc).resident_on(Tier::kHost)) return;
+  early_stats_[pos] = kernels::grad_stats(mgr.data(gc), ctx_.options.precision, mgr.chunk(gc).capacity_elems());
+  early_replicated_[pos] = ctx_.tensor_group != nullptr ? replicated_sum_sq(f) : 0.0;
+}
+
+// One read of every gradient chunk whose statistics backward did not take
+// (Note [Gradient statistics as families complete]); at stages 2-3 the
+// ranks' partial sums of their shards are summed in rank order, so every
+// rank gets the same norm.
 kernels::GradStats StepPipeline::grad_stats() {
   memory::ChunkManager& mgr = *ctx_.mgr;
   kernels::GradStats total;
   double replicated = 0.0;  // Note [Clipping across the tensor group]
   std::vector<offload::CopyTicket> ahead;
+  const std::vector<std::optional<kernels::GradStats>> early = std::move(early_stats_);
+  const std::vector<double> early_replicated = std::move(early_replicated_);
+  track_gradients(false);
+  const auto taken = [&](size_t i) { return i < early.size() && early[i].has_value(); };
   for (size_t i = 0; i < ctx_.families.size(); ++i) {
     const ChunkId gc = ctx_.step_grad(ctx_.families[i]);
     if (!mgr.chunk(gc).location()) continue;  // never materialised: no gradient, zero
+    if (taken(i)) {
+      total.merge(*early[i]);
+      replicated += early_replicated[i];
+      continue;
+    }
     const auto slots = ctx_.all_slots(gc);
     const auto waited_from = Clock::now();
     ctx_.pin(gc, Tier::kHost, slots);
     ctx_.wait.optimizer += seconds_since(waited_from);
-    if (i + 1 < ctx_.families.size() && ctx_.options.prefetch) {
-      ctx_.read_ahead({ctx_.step_grad(ctx_.families[i + 1])}, ahead, /*only_into_free=*/true);
+    size_t next = i + 1;  // the next family this pass reads
+    while (next < ctx_.families.size() && taken(next)) ++next;
+    if (next < ctx_.families.size() && ctx_.options.prefetch) {
+      ctx_.read_ahead({ctx_.step_grad(ctx_.families[next])}, ahead, /*only_into_free=*/true);
     }
     total.merge(kernels::grad_stats(mgr.data(gc), ctx_.options.precision, mgr.chunk(gc).capacity_elems()));
     if (ctx_.tensor_group != nullptr) replicated += replicated_sum_sq(ctx_.families[i]);  // while it is pinned
@@ -327,14 +357,33 @@ void StepPipeline::update_param(ManagedParam& p, const kernels::OptimSpans& s, f
   }
 }
 
+// Note [Reading the next family ahead]
+// While family i is pinned and updated, family i+1's step members that are
+// not on host are read. When the host tier is full (the model state far
+// beyond memory, every step), the read makes room as any move does,
+// evicting the host's least recently used chunks: family i's are pinned,
+// and family i+1's own members already on host are touched first, so the
+// victims are chunks needed later than i+1 (gradients of families further
+// on, which backward touched long ago) or not this step (parameters already
+// updated). An eviction the update of i+1 would have made on demand is made
+// earlier, on the copy engine, while the kernel runs: the same bytes move,
+// and the disk works during the update instead of between updates. A
+// read-ahead that cannot make room fails quietly; the pin retries it.
+void StepPipeline::read_family_ahead(size_t index, std::vector<offload::CopyTicket>& ahead) {
+  memory::ChunkManager& mgr = *ctx_.mgr;
+  const std::vector<ChunkId> members = ctx_.step_members(ctx_.families[index]);
+  for (ChunkId c : members) {
+    if (mgr.chunk(c).resident_on(Tier::kHost)) mgr.access(c, Tier::kHost);  // most recently used: not a victim
+  }
+  ctx_.read_ahead(members, ahead, /*only_into_free=*/false);
+}
+
 void StepPipeline::update_on_host(const std::vector<size_t>& order, float grad_scale, const std::vector<float>& lrs,
                                   std::vector<offload::CopyTicket>& ahead, double& waited,
                                   const std::function<void(size_t)>& done) {
   for (size_t k = 0; k < order.size(); ++k) {
     update_family(order[k], Tier::kHost, grad_scale, lrs, [&] {
-      if (k + 1 < order.size() && ctx_.options.prefetch) {
-        ctx_.read_ahead(ctx_.step_members(ctx_.families[order[k + 1]]), ahead, /*only_into_free=*/true);
-      }
+      if (k + 1 < order.size() && ctx_.options.prefetch) read_family_ahead(order[k + 1], ahead);
     }, waited);
     done(k);
   }

@@ -6,6 +6,7 @@
 // backward (Note [The step pipeline]). Each parameter is updated by the fused
 // kernel of the configured optimizer with its group's hyper-parameters.
 
+#include <optional>
 #include <vector>
 
 #include "../runtime/context.h"
@@ -22,8 +23,9 @@ class StepGathers;
 // room for the gradient and parameter chunks (read_state_early), so those
 // reads overlap backward. The step visits chunk families in order. With
 // family i pinned on host it starts (on the chunk manager's copy engine) the
-// reads of family i+1's chunks that are not on host, when they fit in the
-// host tier's free bytes; after updating family i it starts the write-back
+// reads of family i+1's chunks that are not on host, evicting what the host
+// needs least when it is full (Note [Reading the next family ahead]); after
+// updating family i it starts the write-back
 // to NVMe of its optimizer state when that state lives there. So while the
 // kernel updates family i, family i+1 is read and family i-1 written: the
 // optimizer waits on NVMe only when the disk is slower than the update.
@@ -43,6 +45,21 @@ class StepGathers;
 // thread in family order, each once its family is done, whichever thread
 // updated it: every rank issues the same sequence (Note [Collectives are
 // issued in order]). NVMe-resident state is never on the device list.
+// Note [Gradient statistics as families complete]
+// The step's global facts (the overflow check, the norm exact clipping
+// needs) are sums over every gradient chunk. Taken at the step, they read
+// each gradient chunk once, and the update reads it again: a gradient that
+// had to leave host memory in backward came back from NVMe twice. So in
+// the backward that ends an accumulation, when nothing changes a gradient
+// after it arrives (no data-parallel reduction; no user hook before the
+// step), the sink counts each family's trainable parameters as their
+// gradients arrive, and the family's statistics are taken the moment the
+// last one lands, while the sink still holds its chunk on host. Any later
+// arrival into that family (a parameter used again, by a reentrant
+// recomputation) forgets them, and the step takes whatever is missing
+// then, as before. The statistics are the same kernel over the same bytes,
+// merged in family order: the step's norm, its clipping and its skip
+// decision are bit for bit those of the step-time pass.
 class StepPipeline {
  public:
   /// `sink` drops the gradients after a step; `gathers` (ZeRO stages 1-2,
@@ -61,6 +78,12 @@ class StepPipeline {
   /// update of every family. Returns false when the step was skipped for
   /// overflow (fp16: the loss scale backs off). `grad_norm`: unscaled, before clipping.
   bool step(double& grad_norm);
+
+  /// Note [Gradient statistics as families complete]: forgets what was
+  /// taken, and (on) takes them from now on as families complete.
+  void track_gradients(bool on);
+  /// The sink's arrival hook: family `f`'s gradient chunk is pinned on host.
+  void gradients_arrived(memory::FamilyId f, bool complete);
 
   /// Applied optimizer steps: the schedule's position.
   int64_t optimizer_steps() const { return optimizer_steps_; }
@@ -90,6 +113,9 @@ class StepPipeline {
   void place_device_families();
   /// Updates the families of `order` on host one after another, reading the
   /// next one's step members ahead while each is pinned; done(k) after the k-th.
+  /// Starts reading family `index`'s step members to host, evicting what
+  /// the host needs least (Note [Reading the next family ahead]).
+  void read_family_ahead(size_t index, std::vector<offload::CopyTicket>& ahead);
   void update_on_host(const std::vector<size_t>& order, float grad_scale, const std::vector<float>& lrs,
                       std::vector<offload::CopyTicket>& ahead, double& waited, const std::function<void(size_t)>& done);
   /// The update of every family, device families on this thread and the
@@ -103,6 +129,9 @@ class StepPipeline {
   std::vector<bool> optim_on_nvme_;  // parallel to ctx.families
   std::vector<bool> optim_on_device_;  // parallel to ctx.families
   std::vector<offload::CopyTicket> early_;
+  bool track_ = false;
+  std::vector<std::optional<kernels::GradStats>> early_stats_;  // by family position
+  std::vector<double> early_replicated_;                        // by family position
   double scale_ = 1.0;  // the loss scale
   int clean_steps_ = 0;
   int64_t skipped_ = 0;

@@ -485,6 +485,78 @@ TEST(Engine, EveryStepMovesAtLeastTheLeastTrafficThroughNvme) {
   }
 }
 
+// Note [Gradient statistics as families complete]: on an MLP of nine
+// layers whose state is 8x the device and 8/3x the host budget, the step's
+// norm and overflow check are taken in backward as each family's gradients
+// complete, so a gradient spilled to NVMe comes back once, for its update,
+// not twice. A before_step hook (which may change the gradients) makes the
+// step take them itself, as before: both runs must train bit for bit alike,
+// and the one that took them in backward reads fewer gradient bytes from
+// NVMe, at most what backward wrote there each step.
+TEST(Engine, GradientStatisticsTakenInBackwardReadSpilledGradientsOnce) {
+  const std::filesystem::path dir = temp_path("engine-early-stats");
+  for (DType precision : {DType::kFloat32, DType::kBFloat16}) {
+    struct Run {
+      std::vector<double> losses, norms;
+      std::vector<torch::Tensor> params;
+      uint64_t grad_read = 0, grad_written = 0;
+      bool read_at_most_written_each_step = true;
+    };
+    const auto train = [&](bool hook) {
+      torch::manual_seed(43);
+      torch::nn::Sequential model(torch::nn::Linear(32, 64));
+      for (int l = 0; l < 8; ++l) {
+        model->push_back(torch::nn::ReLU());
+        model->push_back(torch::nn::Linear(64, 64));
+      }
+      int64_t params = 0;
+      for (const auto& p : model->parameters()) params += p.numel();
+      const auto state = static_cast<uint64_t>(params) * 16;
+      EngineOptions o;
+      o.budgets = {state / 8, state * 3 / 8, state * 2};
+      o.nvme_dir = dir.string();
+      o.chunk_elems = 1024;
+      o.precision = precision;
+      o.clip_norm = 0.5;
+      auto engine = attach(*model, AdamWConfig{}, o);
+      const auto grad = static_cast<size_t>(memory::ChunkRole::kGrad);
+      Run r;
+      torch::manual_seed(44);
+      for (int s = 0; s < 5; ++s) {
+        const torch::Tensor x = torch::randn({16, 32}), y = torch::randn({16, 64});
+        const memory::MoveStats before = engine->move_stats();
+        const auto loss = [&] { return torch::mse_loss(model->forward(engine->to_device(x)).to(torch::kFloat32), y); };
+        const StepResult res = hook ? engine->train_step(loss, [] {}) : engine->train_step(loss);
+        const memory::MoveStats after = engine->move_stats();
+        const uint64_t read = after.nvme_read_by_role[grad] - before.nvme_read_by_role[grad];
+        const uint64_t written = after.nvme_written_by_role[grad] - before.nvme_written_by_role[grad];
+        r.read_at_most_written_each_step = r.read_at_most_written_each_step && read <= written;
+        r.grad_read += read;
+        r.grad_written += written;
+        r.losses.push_back(res.loss);
+        r.norms.push_back(res.grad_norm);
+      }
+      for (const auto& p : model->parameters()) r.params.push_back(p.detach().to(torch::kFloat32).clone());
+      engine.reset();
+      std::filesystem::remove_all(dir);
+      return r;
+    };
+    const Run early = train(false), late = train(true);
+    const char* name = dtype_name(precision);
+    EXPECT_EQ(early.losses, late.losses) << name;
+    EXPECT_EQ(early.norms, late.norms) << name << ": the same norm, so the same clipping";
+    ASSERT_EQ(early.params.size(), late.params.size());
+    for (size_t i = 0; i < early.params.size(); ++i) EXPECT_TRUE(torch::equal(early.params[i], late.params[i])) << name;
+    ASSERT_GT(late.grad_written, 0u) << name << ": the test must spill gradients to NVMe";
+    EXPECT_TRUE(early.read_at_most_written_each_step) << name << ": a spilled gradient came back twice";
+    EXPECT_LT(early.grad_read, late.grad_read) << name;
+    std::printf("%s: gradient bytes read from NVMe over 5 steps: %llu taking the statistics in backward, %llu at the "
+                "step (written: %llu, %llu)\n", name, static_cast<unsigned long long>(early.grad_read),
+                static_cast<unsigned long long>(late.grad_read), static_cast<unsigned long long>(early.grad_written),
+                static_cast<unsigned long long>(late.grad_written));
+  }
+}
+
 // A branch taken in some steps only, and a batch (sequence) size that
 // changes: the operator sequence leaves the plan, the engine falls back to
 // LRU for that step and plans again, and training matches plain LibTorch.
