@@ -61,16 +61,34 @@ std::pair<int64_t, int64_t> EngineContext::owned(const ManagedParam& p) const {
   return mgr->family(p.family).layout->slot_in_shard(p.slot, rank);
 }
 
+// Note [A pin races evictions]: access() makes the chunk resident and
+// transition() pins it, each under the manager's lock but not together: a
+// move on the copy engine (a read-ahead making room) may evict the chunk in
+// between. The first slot's pin then fails (or holds it on another tier),
+// changing nothing else, and the chunk is brought back and pinned again.
 void EngineContext::pin(ChunkId chunk, Tier tier, const std::vector<size_t>& slots) {
-  for (;;) {
-    try {
-      mgr->access(chunk, tier);
-      break;
-    } catch (const Error&) {
-      if (!make_room || !make_room(tier)) throw;
+  for (int attempt = 0;; ++attempt) {
+    for (;;) {
+      try {
+        mgr->access(chunk, tier);
+        break;
+      } catch (const Error&) {
+        if (!make_room || !make_room(tier)) throw;
+      }
     }
+    if (slots.empty()) return;
+    const auto evicted = [&] { return mgr->chunk(chunk).location() != tier; };
+    try {
+      mgr->transition(chunk, slots[0], TensorState::kCompute);
+    } catch (const Error&) {
+      if (!evicted() || attempt >= 64) throw;
+      continue;
+    }
+    if (!evicted()) break;
+    mgr->transition(chunk, slots[0], TensorState::kHold);  // pinned where it was moved to: not where it is wanted
+    STRATA_CHECK(attempt < 64, "chunk ", chunk, " left the ", memory::tier_name(tier), " tier 64 times before it could be pinned there");
   }
-  size_t done = 0;
+  size_t done = 1;
   try {
     for (; done < slots.size(); ++done) mgr->transition(chunk, slots[done], TensorState::kCompute);
   } catch (...) {
