@@ -272,6 +272,24 @@ offload::CopyTicket ChunkManager::prefetch(ChunkId id, Tier tier) {
   });
 }
 
+offload::CopyTicket ChunkManager::prefetch_up(ChunkId id, Tier tier) {
+  STRATA_CHECK(tier != Tier::kNvme, "prefetch_up raises a chunk to device or host, not to nvme");
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    chunk_locked(id);
+  }
+  return copier_->submit([this, id, tier] {
+    PrefetchScope scope;
+    Lock lock(mu_);
+    Chunk& c = chunk_locked(id);
+    settle_host_frees(lock, /*wait=*/false);
+    wait_idle(c, lock);
+    if (!c.location_ || static_cast<int>(*c.location_) <= static_cast<int>(tier)) return;
+    move_locked(c, tier, lock);
+    policy_->on_access(c.id_, tier);
+  });
+}
+
 // Called with the lock held and `c` not busy (or busy by this very move).
 void ChunkManager::move_locked(Chunk& c, Tier to, Lock& lock) {
   if (c.location_ == to) return;
@@ -390,6 +408,7 @@ void ChunkManager::transfer(Chunk& c, Tier to, Lock& lock) {
   moves_.count[static_cast<int>(from)][static_cast<int>(to)] += 1;
   if (!t_in_prefetch) moves_.demand_bytes[static_cast<int>(from)][static_cast<int>(to)] += bytes;
   if (from == Tier::kNvme) moves_.nvme_read_by_role[static_cast<size_t>(c.role())] += bytes;
+  if (from == Tier::kNvme && !t_in_prefetch) moves_.nvme_demand_read_by_role[static_cast<size_t>(c.role())] += bytes;
   if (to == Tier::kNvme) moves_.nvme_written_by_role[static_cast<size_t>(c.role())] += bytes;
   idle_.notify_all();
 }

@@ -222,10 +222,11 @@ void run_scale_bench(const ScaleBenchOptions& o) {
     for (size_t r = 0; r < moves_after.nvme_read_by_role.size(); ++r) {
       const uint64_t rd = moves_after.nvme_read_by_role[r] - moves_before.nvme_read_by_role[r];
       const uint64_t wr = moves_after.nvme_written_by_role[r] - moves_before.nvme_written_by_role[r];
+      const uint64_t demand = moves_after.nvme_demand_read_by_role[r] - moves_before.nvme_demand_read_by_role[r];
       const char* name = mem::chunk_role_name(static_cast<mem::ChunkRole>(r));
-      by_role[name] = {{"read_bytes", rd}, {"written_bytes", wr}};
-      if (rd + wr > 0) roles += fmt::format("{}{} {} / {}", roles.empty() ? "" : ", ", name, format_bytes(rd),
-                                            format_bytes(wr));
+      by_role[name] = {{"read_bytes", rd}, {"demand_read_bytes", demand}, {"written_bytes", wr}};
+      if (rd + wr > 0) roles += fmt::format("{}{} {} ({} on demand) / {}", roles.empty() ? "" : ", ", name,
+                                            format_bytes(rd), format_bytes(demand), format_bytes(wr));
     }
     const uint64_t read = after.read - before.read, written = after.written - before.written;
     const double moved_s = memory::Traffic{read, written}.seconds(read_gbps, write_gbps);

@@ -55,6 +55,7 @@ void Residency::begin_step() {
 void Residency::end_step() {
   in_step_ = false;
   EngineContext::settle(prefetches_);
+  EngineContext::settle(staged_);
   if (planner_ == nullptr) return;
   if (planning_) {
     if (nm_counter_ != nullptr && !plan_nm_rec_.empty()) {
@@ -78,6 +79,7 @@ void Residency::end_step() {
 void Residency::abort_step() {
   in_step_ = false;
   EngineContext::settle(prefetches_);
+  EngineContext::settle(staged_);
   planning_ = true;
   diverged_ = false;
   plan_rec_.clear();
@@ -163,6 +165,7 @@ void Residency::follow_plan(const std::string& op, const std::vector<ChunkId>& c
 // prefetch must never cause an eviction, or it could move more than LRU.
 void Residency::prefetch_next() {
   if (planner_ == nullptr || !in_step_ || planning_ || diverged_ || !ctx_.options.prefetch) return;
+  stage_next();
   for (const auto& t : prefetches_) {
     if (!offload::CopyEngine::test(t)) return;
   }
@@ -180,6 +183,33 @@ void Residency::prefetch_next() {
   const memory::TierStats dev = ctx_.mgr->tier_stats(Tier::kDevice);
   if (wanted.empty() || dev.used + bytes > dev.budget) return;
   for (ChunkId c : wanted) prefetches_.push_back(ctx_.mgr->prefetch(c, Tier::kDevice));
+}
+
+// See Note [Staging the next operators' chunks from NVMe].
+void Residency::stage_next() {
+  if (ctx_.options.budgets.nvme == 0) return;
+  for (const auto& t : staged_) {
+    if (!offload::CopyEngine::test(t)) return;
+  }
+  EngineContext::settle(staged_);  // all finished: a failed one is retried by its operator's access
+  const uint64_t window = ctx_.mgr->tier_stats(Tier::kHost).budget / kStageWindowFraction;
+  const auto end = std::min(static_cast<int64_t>(planner_->plan_size()), cursor_ + kStageLookaheadOps);
+  std::vector<ChunkId> wanted;
+  uint64_t bytes = 0;
+  for (int64_t k = cursor_; k < end; ++k) {
+    for (ChunkId c : planner_->plan_op(k)) {
+      const memory::Chunk& chunk = ctx_.mgr->chunk(c);
+      if (chunk.location() != Tier::kNvme) continue;  // on the device or host, or not materialised (ZeRO-3)
+      if (std::find(wanted.begin(), wanted.end(), c) != wanted.end()) continue;
+      if (!wanted.empty() && bytes + chunk.alloc_bytes() > window) {
+        k = end;
+        break;
+      }
+      wanted.push_back(c);
+      bytes += chunk.alloc_bytes();
+    }
+  }
+  for (ChunkId c : wanted) staged_.push_back(ctx_.mgr->prefetch_up(c, Tier::kHost));
 }
 
 // See Note [Static placement]: the previous operator's streamed chunks that

@@ -44,6 +44,27 @@ namespace strata::parallel {
 // budget leaves (a bulge the plan did not see) evict chunks before that
 // operator runs. No operator's own allocation can be anticipated, so the
 // capacity holds at operator boundaries.
+// Note [Staging the next operators' chunks from NVMe]
+// prefetch_next moves chunks to the device only into free bytes: a device
+// prefetch must never evict, or it could move more than the plan's Belady
+// order. Beyond memory the device and host tiers are always full, so that
+// rule alone left every parameter chunk that had gone to NVMe to be read when
+// its operator asked: the disk and the compute took turns (issue #32). So,
+// while each operator runs, the chunks the plan's next operators use that lie
+// on NVMe are read into the host tier, evicting there as the optimizer's
+// read-ahead does (Note [Reading the next family ahead]). The host tier's
+// victim is its least recently used chunk: in forward, the optimizer state
+// the last update left; in backward, the parameters forward used first,
+// whose next use is the latest. The look-ahead stops at kStageLookaheadOps
+// operators or a window of 1/kStageWindowFraction of the host budget (at
+// least one chunk), so what it evicts for chunks not yet needed stays a small
+// part of the tier; one batch is in flight at a time. A staged read is one a
+// demand read would have made an operator or a few later, so the bytes read
+// are the same; the host only holds them sooner. The device copy still
+// happens at the operator (or by prefetch_next, when there is room).
+constexpr int64_t kStageLookaheadOps = 64;
+constexpr uint64_t kStageWindowFraction = 16;
+
 class Residency {
  public:
   explicit Residency(EngineContext& ctx) : ctx_(ctx) {}
@@ -81,7 +102,9 @@ class Residency {
   /// Makes the chunks of parameters `ids` resident on the device and pins their slots.
   void pin_operator(const std::vector<int64_t>& ids);
   void unpin_operator(const std::vector<int64_t>& ids);
-  /// Starts moves of the next operators' chunks when they fit without evicting.
+  /// Starts moves of the next operators' chunks to the device when they fit
+  /// without evicting, and reads the next ones on NVMe into the host tier
+  /// (Note [Staging the next operators' chunks from NVMe]).
   void prefetch_next();
   /// Before an operator without parameters: see Note [Device capacity].
   void relieve_capacity();
@@ -91,6 +114,7 @@ class Residency {
   uint64_t capacity_floor() const { return capacity_floor_; }
 
  private:
+  void stage_next();
   void follow_plan(const std::string& op, const std::vector<ChunkId>& chunks);
   void return_streamed(const std::vector<ChunkId>& chunks);
   void apply_capacity(const std::string& op, uint64_t needed);
@@ -109,6 +133,7 @@ class Residency {
   int64_t cursor_ = 0;
   std::vector<std::vector<ChunkId>> plan_rec_;
   std::vector<offload::CopyTicket> prefetches_;
+  std::vector<offload::CopyTicket> staged_;  // NVMe -> host reads of stage_next, one batch in flight
   int64_t replans_ = 0;
   NonModelCounter* nm_counter_ = nullptr;
   std::vector<uint64_t> plan_nm_rec_, plan_nm_;      // non-model peak after each planned operator

@@ -283,6 +283,32 @@ TEST(ChunkManager, CascadesDeviceToHostToNvmeAndBack) {
   }
 }
 
+// prefetch_up only raises: a chunk on NVMe comes to host (read in the
+// background, not on demand), one already on the device or host stays, and
+// one without payload is not materialised.
+TEST(ChunkManager, PrefetchUpRaisesAChunkAndNeverLowersOne) {
+  TestNvme nvme(4 * kPage);
+  ChunkManager mgr(options(kPage, 2 * kPage, 4 * kPage, nvme.store));
+  const auto ids = add_chunks(mgr, 4);
+  fill(mgr, ids[0], Tier::kDevice);
+  fill(mgr, ids[1], Tier::kHost);
+  fill(mgr, ids[2], Tier::kHost);
+  mgr.move(ids[2], Tier::kNvme);
+  const MoveStats before = mgr.move_stats();
+  for (ChunkId id : {ids[0], ids[1], ids[2], ids[3]}) offload::CopyEngine::wait(mgr.prefetch_up(id, Tier::kHost));
+  EXPECT_EQ(mgr.chunk(ids[0]).location(), Tier::kDevice) << "an operator's chunk stays on the device";
+  EXPECT_EQ(mgr.chunk(ids[1]).location(), Tier::kHost);
+  EXPECT_EQ(mgr.chunk(ids[2]).location(), Tier::kHost) << "raised from NVMe";
+  EXPECT_FALSE(mgr.chunk(ids[3]).location().has_value()) << "no payload: nothing to raise";
+  const MoveStats after = mgr.move_stats();
+  const auto param = static_cast<size_t>(ChunkRole::kParam);
+  EXPECT_EQ(after.nvme_read_by_role[param] - before.nvme_read_by_role[param], kPage);
+  EXPECT_EQ(after.nvme_demand_read_by_role[param], before.nvme_demand_read_by_role[param]) << "read in the background";
+  EXPECT_EQ(after.count[int(Tier::kDevice)][int(Tier::kHost)], before.count[int(Tier::kDevice)][int(Tier::kHost)]);
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(contents(mgr, ids[i]), pattern(ids[i])) << i;
+  EXPECT_THROW(mgr.prefetch_up(ids[1], Tier::kNvme), Error);
+}
+
 // Note [Resident memory within the tier]: chunks of many sizes moving
 // between host and NVMe in a random order fragment the host arena's first
 // fit; the arena gives free pages back rather than hold more resident than

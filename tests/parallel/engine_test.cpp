@@ -557,6 +557,68 @@ TEST(Engine, GradientStatisticsTakenInBackwardReadSpilledGradientsOnce) {
   }
 }
 
+// Note [Staging the next operators' chunks from NVMe]: parameters that went
+// to NVMe (the host holds a quarter of the model state) are read into the
+// host tier while the operators before theirs run, instead of when their
+// operator asks. Counted in bytes read on demand, which do not depend on
+// timing, from the second step (the first records the plan the staging
+// follows). The same losses and weights as without any prefetch.
+TEST(Engine, ParametersOnNvmeAreStagedBeforeTheirOperatorsAsk) {
+  const std::filesystem::path dir = temp_path("engine-staging");
+  struct Run {
+    std::vector<double> losses;
+    std::vector<torch::Tensor> params;
+    uint64_t read = 0, demand = 0, all_read = 0;
+  };
+  const auto train = [&](bool prefetch) {
+    torch::manual_seed(51);
+    torch::nn::Sequential model(torch::nn::Linear(32, 64));
+    for (int l = 0; l < 8; ++l) {
+      model->push_back(torch::nn::ReLU());
+      model->push_back(torch::nn::Linear(64, 64));
+    }
+    int64_t params = 0;
+    for (const auto& p : model->parameters()) params += p.numel();
+    const auto state = static_cast<uint64_t>(params) * 16;
+    EngineOptions o;
+    o.budgets = {state / 8, state / 4, state * 2};
+    o.nvme_dir = dir.string();
+    o.chunk_elems = 1024;
+    o.prefetch = prefetch;
+    auto engine = attach(*model, AdamWConfig{}, o);
+    const auto param = static_cast<size_t>(memory::ChunkRole::kParam);
+    Run r;
+    torch::manual_seed(52);
+    memory::MoveStats first;
+    for (int s = 0; s < 5; ++s) {
+      const torch::Tensor x = torch::randn({16, 32}), y = torch::randn({16, 64});
+      r.losses.push_back(engine->train_step([&] { return torch::mse_loss(model->forward(x), y); }).loss);
+      if (s == 0) first = engine->move_stats();
+    }
+    const memory::MoveStats m = engine->move_stats();
+    r.read = m.nvme_read_by_role[param] - first.nvme_read_by_role[param];
+    r.demand = m.nvme_demand_read_by_role[param] - first.nvme_demand_read_by_role[param];
+    for (size_t k = 0; k < m.nvme_read_by_role.size(); ++k) r.all_read += m.nvme_read_by_role[k];
+    for (const auto& p : model->parameters()) r.params.push_back(p.detach().clone());
+    engine.reset();
+    std::filesystem::remove_all(dir);
+    return r;
+  };
+  const Run off = train(false), on = train(true);
+  EXPECT_EQ(on.losses, off.losses);
+  ASSERT_EQ(on.params.size(), off.params.size());
+  for (size_t i = 0; i < on.params.size(); ++i) EXPECT_TRUE(torch::equal(on.params[i], off.params[i])) << i;
+  ASSERT_GT(off.read, 0u) << "the test must spill parameters to NVMe";
+  EXPECT_EQ(off.demand, off.read) << "without prefetch every read is waited for";
+  EXPECT_LE(on.demand, on.read / 4) << "staging leaves at most a quarter of the parameter reads on demand";
+  EXPECT_LE(on.all_read, off.all_read + off.all_read / 4) << "staging reads what demand would, give or take evictions";
+  std::printf("parameter bytes read from NVMe in steps 2-5: %llu without prefetch (all on demand), %llu with, %llu "
+              "of them on demand; all NVMe reads: %llu, %llu\n",
+              static_cast<unsigned long long>(off.read), static_cast<unsigned long long>(on.read),
+              static_cast<unsigned long long>(on.demand), static_cast<unsigned long long>(off.all_read),
+              static_cast<unsigned long long>(on.all_read));
+}
+
 // A branch taken in some steps only, and a batch (sequence) size that
 // changes: the operator sequence leaves the plan, the engine falls back to
 // LRU for that step and plans again, and training matches plain LibTorch.

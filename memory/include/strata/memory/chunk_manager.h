@@ -107,6 +107,8 @@ struct MoveStats {
   // written to the nvme tier, finished moves only.
   std::array<uint64_t, 4> nvme_read_by_role{};
   std::array<uint64_t, 4> nvme_written_by_role{};
+  // Of nvme_read_by_role, the bytes read on demand (as demand_bytes).
+  std::array<uint64_t, 4> nvme_demand_read_by_role{};
   uint64_t stalls = 0;         // calls that waited for a chunk's move in flight
   double stall_seconds = 0.0;  // time spent in those waits
   uint64_t stall_bytes = 0;    // bytes of the chunks those calls waited for
@@ -143,6 +145,10 @@ class ChunkManager {
   /// Starts move(id, tier) on the copy engine and returns at once. A later
   /// access() of the chunk waits for it (a stall) if it is still in flight.
   offload::CopyTicket prefetch(ChunkId id, Tier tier);
+  /// Like prefetch(id, tier) to device or host, but only raises: when the
+  /// copy engine gets to it, a chunk already on `tier` or a faster one (an
+  /// operator took it to the device meanwhile), or without payload, stays.
+  offload::CopyTicket prefetch_up(ChunkId id, Tier tier);
   /// Drops the payload wherever it is. The chunk must have no tensor in COMPUTE.
   void release(ChunkId id);
   /// Moves one tensor of the chunk through the state machine (tensor_state.h).
