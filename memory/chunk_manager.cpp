@@ -236,12 +236,15 @@ void ChunkManager::wait_idle(const Chunk& c, Lock& lock) const {
   moves_.stall_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
-void* ChunkManager::access(ChunkId id, Tier tier) {
+void* ChunkManager::access(ChunkId id, Tier tier) { return bring(id, tier, /*only_up=*/false); }
+
+void* ChunkManager::bring(ChunkId id, Tier tier, bool only_up) {
   Lock lock(mu_);
   STRATA_CHECK(tier != Tier::kNvme, "chunks are accessed on device or host; use move() to offload to nvme");
   Chunk& c = chunk_locked(id);
   settle_host_frees(lock, /*wait=*/false);
   wait_idle(c, lock);
+  if (only_up && (!c.location_ || static_cast<int>(*c.location_) <= static_cast<int>(tier))) return c.ptr_;
   move_locked(c, tier, lock);
   policy_->on_access(c.id_, tier);
   return c.ptr_;
@@ -276,17 +279,11 @@ offload::CopyTicket ChunkManager::prefetch_up(ChunkId id, Tier tier) {
   STRATA_CHECK(tier != Tier::kNvme, "prefetch_up raises a chunk to device or host, not to nvme");
   {
     std::lock_guard<std::mutex> lock(mu_);
-    chunk_locked(id);
+    chunk_locked(id);  // validate now, in the caller's thread
   }
   return copier_->submit([this, id, tier] {
     PrefetchScope scope;
-    Lock lock(mu_);
-    Chunk& c = chunk_locked(id);
-    settle_host_frees(lock, /*wait=*/false);
-    wait_idle(c, lock);
-    if (!c.location_ || static_cast<int>(*c.location_) <= static_cast<int>(tier)) return;
-    move_locked(c, tier, lock);
-    policy_->on_access(c.id_, tier);
+    bring(id, tier, /*only_up=*/true);
   });
 }
 

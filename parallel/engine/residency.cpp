@@ -166,9 +166,7 @@ void Residency::follow_plan(const std::string& op, const std::vector<ChunkId>& c
 void Residency::prefetch_next() {
   if (planner_ == nullptr || !in_step_ || planning_ || diverged_ || !ctx_.options.prefetch) return;
   stage_next();
-  for (const auto& t : prefetches_) {
-    if (!offload::CopyEngine::test(t)) return;
-  }
+  if (!all_finished(prefetches_)) return;
   std::vector<ChunkId> wanted;
   uint64_t bytes = 0;
   for (int64_t k = cursor_; k < cursor_ + memory::kPrefetchLookaheadOps; ++k) {
@@ -185,12 +183,15 @@ void Residency::prefetch_next() {
   for (ChunkId c : wanted) prefetches_.push_back(ctx_.mgr->prefetch(c, Tier::kDevice));
 }
 
+bool Residency::all_finished(const std::vector<offload::CopyTicket>& tickets) {
+  return std::all_of(tickets.begin(), tickets.end(), [](const auto& t) { return offload::CopyEngine::test(t); });
+}
+
 // See Note [Staging the next operators' chunks from NVMe].
 void Residency::stage_next() {
-  if (ctx_.options.budgets.nvme == 0) return;
-  for (const auto& t : staged_) {
-    if (!offload::CopyEngine::test(t)) return;
-  }
+  // Nothing on NVMe (the common case while the state fits): no scan of the plan per operator.
+  if (ctx_.options.budgets.nvme == 0 || ctx_.mgr->tier_stats(Tier::kNvme).chunks == 0) return;
+  if (!all_finished(staged_)) return;
   EngineContext::settle(staged_);  // all finished: a failed one is retried by its operator's access
   const uint64_t window = ctx_.mgr->tier_stats(Tier::kHost).budget / kStageWindowFraction;
   const auto end = std::min(static_cast<int64_t>(planner_->plan_size()), cursor_ + kStageLookaheadOps);

@@ -115,6 +115,7 @@ class Residency {
 
  private:
   void stage_next();
+  static bool all_finished(const std::vector<offload::CopyTicket>& tickets);
   void follow_plan(const std::string& op, const std::vector<ChunkId>& chunks);
   void return_streamed(const std::vector<ChunkId>& chunks);
   void apply_capacity(const std::string& op, uint64_t needed);

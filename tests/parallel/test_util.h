@@ -62,4 +62,16 @@ inline torch::nn::Sequential deep_mlp(uint64_t seed) {
                                torch::nn::Linear(64, 8));
 }
 
+// Nine Linear layers of width 64: enough families that a fraction of the
+// state on host spills parameters, gradients and optimizer state to NVMe.
+inline torch::nn::Sequential nine_layer_mlp(uint64_t seed) {
+  torch::manual_seed(seed);
+  torch::nn::Sequential model(torch::nn::Linear(32, 64));
+  for (int l = 0; l < 8; ++l) {
+    model->push_back(torch::nn::ReLU());
+    model->push_back(torch::nn::Linear(64, 64));
+  }
+  return model;
+}
+
 }  // namespace strata::parallel

@@ -206,6 +206,9 @@ class ChunkManager {
                                 std::vector<ChunkLayout> layouts, const ChunkSizePlan& plan);
   ChunkId new_chunk(FamilyId family, std::shared_ptr<const ChunkLayout> layout, ChunkRole role, int index,
                     DType dtype);
+  // access(), and prefetch_up() when `only_up`: then a chunk already on
+  // `tier` or a faster one, or without payload, stays where it is.
+  void* bring(ChunkId id, Tier tier, bool only_up);
   void move_locked(Chunk& c, Tier to, Lock& lock);
   void transfer(Chunk& c, Tier to, Lock& lock);
   void materialize(Chunk& c, Tier to, Lock& lock);
