@@ -558,7 +558,7 @@ TEST(Engine, GradientStatisticsTakenInBackwardReadSpilledGradientsOnce) {
 // operator asks. Counted in bytes read on demand from the second step (the
 // first records the plan the staging follows). Whether a staged read lands
 // before its operator asks is a race, so the batch is large enough that an
-// operator takes longer than a chunk's read: 5-15% of the reads were on
+// operator takes longer than a chunk's read: 7-15% of the reads were on
 // demand here, under load too, against 47-53% with staging disabled. The
 // same losses and weights as without any prefetch.
 TEST(Engine, ParametersOnNvmeAreStagedBeforeTheirOperatorsAsk) {
