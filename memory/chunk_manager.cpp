@@ -258,32 +258,27 @@ void ChunkManager::move(ChunkId id, Tier tier) {
   move_locked(c, tier, lock);
 }
 
-offload::CopyTicket ChunkManager::prefetch(ChunkId id, Tier tier) {
+offload::CopyTicket ChunkManager::prefetch(ChunkId id, Tier tier) { return submit_prefetch(id, tier, /*only_up=*/false); }
+
+offload::CopyTicket ChunkManager::prefetch_up(ChunkId id, Tier tier) {
+  STRATA_CHECK(tier != Tier::kNvme, "prefetch_up raises a chunk to device or host, not to nvme");
+  return submit_prefetch(id, tier, /*only_up=*/true);
+}
+
+offload::CopyTicket ChunkManager::submit_prefetch(ChunkId id, Tier tier, bool only_up) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     chunk_locked(id);  // validate now, in the caller's thread
   }
   // Prefetching to device or host is a use (the chunk is wanted soon), so the
   // policy does not pick it as the next victim.
-  return copier_->submit([this, id, tier] {
+  return copier_->submit([this, id, tier, only_up] {
     PrefetchScope scope;
     if (tier == Tier::kNvme) {
       move(id, tier);
     } else {
-      access(id, tier);
+      bring(id, tier, only_up);
     }
-  });
-}
-
-offload::CopyTicket ChunkManager::prefetch_up(ChunkId id, Tier tier) {
-  STRATA_CHECK(tier != Tier::kNvme, "prefetch_up raises a chunk to device or host, not to nvme");
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    chunk_locked(id);  // validate now, in the caller's thread
-  }
-  return copier_->submit([this, id, tier] {
-    PrefetchScope scope;
-    bring(id, tier, /*only_up=*/true);
   });
 }
 

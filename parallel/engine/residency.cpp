@@ -190,7 +190,7 @@ bool Residency::all_finished(const std::vector<offload::CopyTicket>& tickets) {
 // See Note [Staging the next operators' chunks from NVMe].
 void Residency::stage_next() {
   // Nothing on NVMe (the common case while the state fits): no scan of the plan per operator.
-  if (ctx_.options.budgets.nvme == 0 || ctx_.mgr->tier_stats(Tier::kNvme).chunks == 0) return;
+  if (ctx_.mgr->tier_stats(Tier::kNvme).chunks == 0) return;
   if (!all_finished(staged_)) return;
   EngineContext::settle(staged_);  // all finished: a failed one is retried by its operator's access
   const uint64_t window = ctx_.mgr->tier_stats(Tier::kHost).budget / kStageWindowFraction;

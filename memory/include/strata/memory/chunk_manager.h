@@ -209,6 +209,8 @@ class ChunkManager {
   // access(), and prefetch_up() when `only_up`: then a chunk already on
   // `tier` or a faster one, or without payload, stays where it is.
   void* bring(ChunkId id, Tier tier, bool only_up);
+  // prefetch() and prefetch_up(): the same on the copy engine.
+  offload::CopyTicket submit_prefetch(ChunkId id, Tier tier, bool only_up);
   void move_locked(Chunk& c, Tier to, Lock& lock);
   void transfer(Chunk& c, Tier to, Lock& lock);
   void materialize(Chunk& c, Tier to, Lock& lock);
