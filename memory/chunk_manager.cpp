@@ -250,6 +250,33 @@ void* ChunkManager::bring(ChunkId id, Tier tier, bool only_up) {
   return c.ptr_;
 }
 
+void* ChunkManager::overwrite(ChunkId id, Tier tier) {
+  Lock lock(mu_);
+  STRATA_CHECK(tier != Tier::kNvme, "chunks are overwritten on device or host, not on nvme");
+  Chunk& c = chunk_locked(id);
+  settle_host_frees(lock, /*wait=*/false);
+  wait_idle(c, lock);
+  if (c.location_ != tier) {
+    STRATA_CHECK(c.movable(), "cannot overwrite ", c.describe(), " on ", tier_name(tier), ": ", c.compute_count_,
+                 " of its tensors are in COMPUTE elsewhere");
+    BusyGuard busy(c.busy_);
+    struct Notify {
+      std::condition_variable& cv;
+      ~Notify() { cv.notify_all(); }
+    } notify{idle_};
+    // Room and zeros first: when either fails, the old payload is still the chunk's.
+    const size_t bytes = c.alloc_bytes();
+    make_room(tier, bytes, c, lock);
+    void* ptr = allocate_zeroed(tier, bytes);
+    free_payload(c);
+    c.ptr_ = ptr;
+    c.location_ = tier;
+    placed(c);
+  }
+  policy_->on_access(c.id_, tier);
+  return c.ptr_;
+}
+
 void ChunkManager::move(ChunkId id, Tier tier) {
   Lock lock(mu_);
   Chunk& c = chunk_locked(id);
@@ -307,19 +334,7 @@ void ChunkManager::materialize(Chunk& c, Tier to, Lock& lock) {
   STRATA_ASSERT(to != Tier::kNvme, "chunks are materialised in addressable memory");
   const size_t bytes = c.alloc_bytes();
   make_room(to, bytes, c, lock);
-  void* ptr = allocate(to, bytes);
-  if (to == Tier::kDevice) {
-    try {
-      device_->fill_zero(ptr, bytes);
-    } catch (...) {
-      device_->deallocate(ptr);
-      account(to, -static_cast<int64_t>(bytes), -1);
-      throw;
-    }
-  } else {
-    std::memset(ptr, 0, bytes);
-  }
-  c.ptr_ = ptr;
+  c.ptr_ = allocate_zeroed(to, bytes);
   c.location_ = to;
   placed(c);
 }
@@ -337,6 +352,7 @@ void ChunkManager::transfer(Chunk& c, Tier to, Lock& lock) {
     dst = allocate(to, bytes);
   }
   outgoing_[static_cast<int>(from)] += 1;
+  outgoing_bytes_[static_cast<int>(from)] += bytes;
   incoming_[static_cast<int>(to)] += 1;
   moves_.started_bytes[static_cast<int>(from)][static_cast<int>(to)] += bytes;
   moves_.started_count[static_cast<int>(from)][static_cast<int>(to)] += 1;
@@ -376,6 +392,7 @@ void ChunkManager::transfer(Chunk& c, Tier to, Lock& lock) {
   }
   lock.lock();
   outgoing_[static_cast<int>(from)] -= 1;
+  outgoing_bytes_[static_cast<int>(from)] -= bytes;
   incoming_[static_cast<int>(to)] -= 1;
   if (failure) {
     // The source is untouched and stays the chunk's payload.
@@ -405,6 +422,17 @@ void ChunkManager::transfer(Chunk& c, Tier to, Lock& lock) {
   idle_.notify_all();
 }
 
+// Note [Waiting for moves leaving the tier]
+// When the moves already leaving a tier will free enough for a request once
+// they finish (the optimizer writing back the family it just updated while
+// the next one is read ahead), the request waits for them instead of
+// evicting another chunk. An eviction then would write a chunk out, on the
+// same disk as the moves in flight, that was not in the way a moment later,
+// and the chunks left most idle on host in the optimizer's phase are the
+// gradients and parameters of the families it updates next: each one evicted
+// there is read back within the phase. A move leaving the tier finishes
+// without the manager's lock, so the wait cannot deadlock; a failed one
+// frees nothing, and the loop then evicts as before.
 void ChunkManager::make_room(Tier tier, size_t bytes, const Chunk& requester, Lock& lock) {
   TierStats& s = stats_[static_cast<int>(tier)];
   STRATA_CHECK(tier != Tier::kNvme || nvme_ != nullptr, "cannot place ", requester.describe(),
@@ -415,6 +443,12 @@ void ChunkManager::make_room(Tier tier, size_t bytes, const Chunk& requester, Lo
   while (s.used + bytes > s.budget) {
     // Sources of copies still in flight to the device go back before anything is evicted.
     if (tier == Tier::kHost && settle_host_frees(lock, /*wait=*/true)) continue;
+    // Note [Waiting for moves leaving the tier]
+    if (outgoing_bytes_[static_cast<int>(tier)] > 0 &&
+        s.used - outgoing_bytes_[static_cast<int>(tier)] + bytes <= s.budget) {
+      idle_.wait(lock);
+      continue;
+    }
     std::vector<ChunkId> candidates;
     if (tier != Tier::kNvme) {
       for (const auto& c : chunks_) {
@@ -449,6 +483,22 @@ void* ChunkManager::allocate(Tier tier, size_t bytes) {
   STRATA_ASSERT(tier != Tier::kNvme, "nvme payloads live in the store");
   void* ptr = tier == Tier::kDevice ? device_->allocate(bytes) : host_.allocate(bytes);
   account(tier, static_cast<int64_t>(bytes), 1);
+  return ptr;
+}
+
+void* ChunkManager::allocate_zeroed(Tier tier, size_t bytes) {
+  void* ptr = allocate(tier, bytes);
+  if (tier == Tier::kDevice) {
+    try {
+      device_->fill_zero(ptr, bytes);
+    } catch (...) {
+      device_->deallocate(ptr);
+      account(tier, -static_cast<int64_t>(bytes), -1);
+      throw;
+    }
+  } else {
+    std::memset(ptr, 0, bytes);
+  }
   return ptr;
 }
 
@@ -515,6 +565,12 @@ void ChunkManager::account(Tier tier, int64_t bytes, int64_t chunks) {
   s.chunks += chunks;
   STRATA_ASSERT(s.used <= s.budget, tier_name(tier), " tier over budget: ", s.used, " > ", s.budget);
   s.peak = std::max(s.peak, s.used);
+}
+
+void ChunkManager::demote(ChunkId id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const Chunk& c = chunk_locked(id);
+  if (c.location_ && *c.location_ != Tier::kNvme) policy_->on_demote(id, *c.location_);
 }
 
 void ChunkManager::release(ChunkId id) {
@@ -634,6 +690,12 @@ uint64_t ChunkManager::set_budget(Tier tier, uint64_t bytes) {
   bytes = std::min(bytes, budgets_.of(tier));
   while (s.used > bytes) {
     if (tier == Tier::kHost && settle_host_frees(lock, /*wait=*/true)) continue;
+    // Note [Waiting for moves leaving the tier]
+    if (outgoing_bytes_[static_cast<int>(tier)] > 0 &&
+        s.used - outgoing_bytes_[static_cast<int>(tier)] + bytes <= s.budget) {
+      idle_.wait(lock);
+      continue;
+    }
     std::vector<ChunkId> candidates;
     for (const auto& c : chunks_) {
       if (c->location_ == tier && c->movable() && !c->busy_ && !c->gathered_) candidates.push_back(c->id_);

@@ -60,6 +60,25 @@ class StepGathers;
 // then, as before. The statistics are the same kernel over the same bytes,
 // merged in family order: the step's norm, its clipping and its skip
 // decision are bit for bit those of the step-time pass.
+// Note [Gradients die with their update]
+// A family's gradient chunks are dropped as soon as its update is done,
+// not when the step ends (GradSink::zero): nothing reads them after, and
+// the next backward materialises them zero-filled as before. Kept until the
+// end, they held host room the read-ahead of the next families then took
+// from chunks still needed in the phase (the gradients and parameters of
+// the families updated later, idle since backward), which were written to
+// NVMe and read back before their own update.
+// Note [Updated parameters leave first]
+// In the optimizer's phase the host is full and its least recently used
+// chunks are those backward left: the gradients and parameters of the
+// families not yet updated, each needed again within the phase. A family's
+// parameter chunk, once updated, is needed only by the next forward, after
+// every chunk of the phase; so the step demotes it (ChunkManager::demote)
+// and the host evicts updated parameters first, the last updated first
+// (forward uses the families in order, so that one is needed last). The
+// bytes are the same (an evicted chunk is written now and read later), but
+// the read moves from the disk-bound phase to the next forward, where it
+// is staged ahead of its operators.
 class StepPipeline {
  public:
   /// `sink` drops the gradients after a step; `gathers` (ZeRO stages 1-2,
@@ -109,13 +128,16 @@ class StepPipeline {
   void update_family(size_t index, Tier tier, float grad_scale, const std::vector<float>& lrs,
                      const std::function<void()>& pinned_hook, double& waited);
   void update_param(ManagedParam& p, const kernels::OptimSpans& spans, float grad_scale, float lr, bool on_cuda);
+  /// Note [Parameters the update overwrites]: family `f`'s update writes
+  /// every parameter element of its step parameter chunk on this rank.
+  bool update_overwrites_param(memory::FamilyId f) const;
   void place_nvme_families();
   void place_device_families();
-  /// Updates the families of `order` on host one after another, reading the
-  /// next one's step members ahead while each is pinned; done(k) after the k-th.
   /// Starts reading family `index`'s step members to host, evicting what
   /// the host needs least (Note [Reading the next family ahead]).
   void read_family_ahead(size_t index, std::vector<offload::CopyTicket>& ahead);
+  /// Updates the families of `order` on host one after another, reading the
+  /// next one's step members ahead while each is pinned; done(k) after the k-th.
   void update_on_host(const std::vector<size_t>& order, float grad_scale, const std::vector<float>& lrs,
                       std::vector<offload::CopyTicket>& ahead, double& waited, const std::function<void(size_t)>& done);
   /// The update of every family, device families on this thread and the

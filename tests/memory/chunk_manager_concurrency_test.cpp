@@ -71,13 +71,20 @@ TEST(ChunkManagerConcurrency, PrefetchOverlapsAndAccessWaitsForIt) {
   EXPECT_EQ(m.count[int(Tier::kNvme)][int(Tier::kDevice)], 3u) << "streamed nvme -> device, no host stop";
 }
 
-// The real NVMe store, with every streamed read held back for 200 ms, so that
-// an access right after a prefetch deterministically finds the move in flight.
+// The real NVMe store, with every streamed read (and, when asked, every
+// write) held back for 200 ms, so that an access right after a prefetch
+// deterministically finds the move in flight.
 struct SlowStore final : SwapStore {
   std::shared_ptr<SwapStore> inner;
   std::atomic<int> reads{0};
+  std::atomic<int> writes{0};
+  bool slow_writes = false;  // host -> nvme writes held back too
   explicit SlowStore(std::shared_ptr<SwapStore> s) : inner(std::move(s)) {}
-  void write(int64_t key, const void* src, size_t bytes) override { inner->write(key, src, bytes); }
+  void write(int64_t key, const void* src, size_t bytes) override {
+    ++writes;
+    if (slow_writes) std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    inner->write(key, src, bytes);
+  }
   void read(int64_t key, void* dst, size_t bytes) override { inner->read(key, dst, bytes); }
   void discard(int64_t key) noexcept override { inner->discard(key); }
   size_t alignment() const noexcept override { return inner->alignment(); }
@@ -150,6 +157,39 @@ TEST(ChunkManagerConcurrency, RequestWaitsForAMoveArrivingOnAFullTier) {
   std::vector<float> got(kElems);
   mgr.read(ids[0], got.data(), kChunkBytes);
   EXPECT_EQ(got, pattern(ids[0], 5));
+}
+
+// Note [Waiting for moves leaving the tier]: a full host tier whose chunk
+// is already being written out makes a request wait for that write, and
+// evicts nothing else.
+TEST(ChunkManagerConcurrency, RequestWaitsForAMoveLeavingTheTierInsteadOfEvicting) {
+  testing::TestNvme nvme(64 * kChunkBytes, "leave");
+  auto slow = std::make_shared<SlowStore>(nvme.store);
+  slow->slow_writes = true;
+  ChunkManagerOptions o = tight(nvme);
+  o.budgets.host = 2 * kChunkBytes;
+  o.nvme = slow;
+  ChunkManager mgr(std::move(o));
+  const auto ids = register_chunks(mgr, 3, "w");
+  for (int i = 0; i < 2; ++i) {
+    mgr.access(ids[i], Tier::kHost);
+    mgr.write(ids[i], pattern(ids[i], 7).data(), kChunkBytes);
+  }
+  auto ticket = mgr.prefetch(ids[0], Tier::kNvme);
+  while (slow->writes == 0) std::this_thread::yield();  // chunk 0 is leaving the full host tier
+  mgr.access(ids[2], Tier::kHost);  // fits once chunk 0 is out: waits, evicts nothing
+  offload::CopyEngine::wait(ticket);
+  EXPECT_EQ(mgr.chunk(ids[0]).location(), Tier::kNvme);
+  EXPECT_EQ(mgr.chunk(ids[1]).location(), Tier::kHost) << "not evicted while a move was freeing the room";
+  EXPECT_EQ(mgr.chunk(ids[2]).location(), Tier::kHost);
+  EXPECT_EQ(slow->writes, 1) << "one write: the move already leaving";
+  EXPECT_EQ(mgr.tier_stats(Tier::kHost).evictions, 0u);
+  EXPECT_LE(mgr.tier_stats(Tier::kHost).peak, 2 * kChunkBytes);
+  for (int i = 0; i < 2; ++i) {
+    std::vector<float> got(kElems);
+    mgr.read(ids[i], got.data(), kChunkBytes);
+    EXPECT_EQ(got, pattern(ids[i], 7)) << i;
+  }
 }
 
 TEST(ChunkManagerConcurrency, PrefetchErrorsReachTheTicket) {

@@ -495,6 +495,55 @@ TEST(ChunkManager, FailedNvmeReadKeepsTheNvmeCopy) {
   EXPECT_EQ(contents(mgr, ids[0]), pattern(ids[0]));
 }
 
+// overwrite() gives a chunk elsewhere a zero-filled payload where it is
+// wanted without reading its old bytes (no NVMe read, its NVMe copy
+// dropped), keeps the bytes of one already there, and, when no room can be
+// made, fails and leaves the old payload the chunk's.
+TEST(ChunkManager, OverwriteTakesNoReadAndKeepsTheOldPayloadWhenItFails) {
+  TestNvme nvme(4 * kPage);
+  ChunkManager mgr(options(kPage, 2 * kPage, 4 * kPage, nvme.store));
+  const auto ids = add_chunks(mgr, 3);
+  fill(mgr, ids[0], Tier::kHost);
+  mgr.move(ids[0], Tier::kNvme);
+  fill(mgr, ids[1], Tier::kHost, 1);
+  const MoveStats before = mgr.move_stats();
+  void* p = mgr.overwrite(ids[0], Tier::kHost);
+  EXPECT_EQ(mgr.chunk(ids[0]).location(), Tier::kHost);
+  EXPECT_EQ(p, mgr.data(ids[0]));
+  EXPECT_EQ(contents(mgr, ids[0]), std::vector<float>(kElems, 0.0f)) << "zero-filled, not the old bytes";
+  EXPECT_FALSE(nvme.holds(ids[0])) << "the NVMe copy is dropped";
+  EXPECT_EQ(mgr.tier_stats(Tier::kNvme).used, 0u);
+  const MoveStats after = mgr.move_stats();
+  EXPECT_EQ(after.count[int(Tier::kNvme)][int(Tier::kHost)], before.count[int(Tier::kNvme)][int(Tier::kHost)]);
+  EXPECT_EQ(after.nvme_read_by_role[size_t(ChunkRole::kParam)], before.nvme_read_by_role[size_t(ChunkRole::kParam)]);
+  // Already where it is wanted: the bytes stay.
+  mgr.overwrite(ids[1], Tier::kHost);
+  EXPECT_EQ(contents(mgr, ids[1]), pattern(ids[1], 1));
+  // From the device to host: the device copy goes, nothing is copied.
+  fill(mgr, ids[2], Tier::kDevice, 2);
+  mgr.transition(ids[1], 0, TensorState::kHold);
+  mgr.transition(ids[1], 0, TensorState::kCompute);
+  mgr.transition(ids[0], 0, TensorState::kHold);
+  mgr.transition(ids[0], 0, TensorState::kCompute);
+  // The host tier holds two pinned chunks: no room, the device copy stays.
+  EXPECT_THROW(mgr.overwrite(ids[2], Tier::kHost), Error);
+  EXPECT_EQ(mgr.chunk(ids[2]).location(), Tier::kDevice);
+  EXPECT_EQ(contents(mgr, ids[2]), pattern(ids[2], 2));
+  mgr.transition(ids[0], 0, TensorState::kHold);
+  mgr.overwrite(ids[2], Tier::kHost);
+  EXPECT_EQ(mgr.chunk(ids[2]).location(), Tier::kHost);
+  EXPECT_EQ(mgr.tier_stats(Tier::kDevice).used, 0u);
+  EXPECT_EQ(contents(mgr, ids[2]), std::vector<float>(kElems, 0.0f));
+  EXPECT_EQ(mgr.chunk(ids[0]).location(), Tier::kNvme) << "made room as any access does";
+  EXPECT_EQ(contents(mgr, ids[0]), std::vector<float>(kElems, 0.0f));
+  EXPECT_EQ(mgr.move_stats().count[int(Tier::kDevice)][int(Tier::kHost)],
+            before.count[int(Tier::kDevice)][int(Tier::kHost)]);
+  for (Tier t : {Tier::kDevice, Tier::kHost, Tier::kNvme}) {
+    EXPECT_LE(mgr.tier_stats(t).peak, mgr.tier_stats(t).budget) << tier_name(t);
+  }
+  EXPECT_THROW(mgr.overwrite(ids[2], Tier::kNvme), Error);
+}
+
 TEST(ChunkManager, ReadAndWriteCheckSizes) {
   ChunkManager mgr(options(kPage, kPage));
   const auto ids = add_chunks(mgr, 1);

@@ -22,6 +22,25 @@ TEST(LruPolicy, EvictsLeastRecentlyUsedAmongCandidates) {
   EXPECT_EQ(lru.choose_victim(Tier::kDevice, {9, 1, 7}), 7);
 }
 
+// ChunkManager::demote: a demoted chunk leaves before any other, the last
+// demoted first, until it is used again.
+TEST(LruPolicy, DemotedChunksLeaveFirstTheLastDemotedFirst) {
+  LruPolicy lru;
+  for (ChunkId c : {1, 2, 3, 4}) lru.on_access(c, Tier::kHost);
+  lru.on_demote(3, Tier::kHost);
+  lru.on_demote(2, Tier::kHost);
+  EXPECT_EQ(lru.choose_victim(Tier::kHost, {1, 2, 3, 4, 9}), 2) << "before a never-accessed chunk too";
+  EXPECT_EQ(lru.choose_victim(Tier::kHost, {1, 3, 4}), 3);
+  EXPECT_EQ(lru.choose_victim(Tier::kHost, {1, 4}), 1) << "then least recently used";
+  lru.on_access(2, Tier::kHost);  // used again: back in the recency order
+  EXPECT_EQ(lru.choose_victim(Tier::kHost, {1, 2, 3, 4}), 3);
+  EXPECT_EQ(lru.choose_victim(Tier::kHost, {1, 2, 4}), 1);
+  StaticPolicy held;
+  for (ChunkId c : {1, 2}) held.on_access(c, Tier::kHost);
+  held.on_demote(2, Tier::kHost);
+  EXPECT_EQ(held.choose_victim(Tier::kHost, {1, 2}), 2) << "the static policy's LRU order takes it too";
+}
+
 }  // namespace
 }  // namespace strata::memory
 

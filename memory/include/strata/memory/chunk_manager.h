@@ -140,6 +140,12 @@ class ChunkManager {
   /// payload (a device pointer under CUDA). A chunk without payload is
   /// materialised there, zero-filled. Counts as a use for the policy.
   void* access(ChunkId id, Tier tier);
+  /// access() for a caller that overwrites every byte it will read back: a
+  /// chunk on another tier is not copied; it gets a zero-filled payload on
+  /// `tier` and its old one is dropped (an NVMe copy discarded, nothing
+  /// read). A chunk already on `tier` keeps its bytes. If room cannot be
+  /// made, it throws and the old payload stays.
+  void* overwrite(ChunkId id, Tier tier);
   /// Moves the payload to any tier, nvme included. Not a use for the policy.
   void move(ChunkId id, Tier tier);
   /// Starts move(id, tier) on the copy engine and returns at once. A later
@@ -151,6 +157,10 @@ class ChunkManager {
   offload::CopyTicket prefetch_up(ChunkId id, Tier tier);
   /// Drops the payload wherever it is. The chunk must have no tensor in COMPUTE.
   void release(ChunkId id);
+  /// Tells the policy the chunk will not be used before every chunk used
+  /// after this call: where it is resident, it becomes the first to leave
+  /// its tier, the last demoted first (EvictionPolicy::on_demote).
+  void demote(ChunkId id);
   /// Moves one tensor of the chunk through the state machine (tensor_state.h).
   /// Entering COMPUTE needs the payload on device or host, and pins it there.
   void transition(ChunkId id, size_t slot, TensorState to);
@@ -216,6 +226,8 @@ class ChunkManager {
   void materialize(Chunk& c, Tier to, Lock& lock);
   void make_room(Tier tier, size_t bytes, const Chunk& requester, Lock& lock);
   void* allocate(Tier tier, size_t bytes);
+  /// allocate(), zero-filled; nothing allocated when the fill fails.
+  void* allocate_zeroed(Tier tier, size_t bytes);
   /// `host_after`: on host, the payload is given back only once it completes
   /// (the copy reading it, Note [Arrivals on the device]).
   void free_payload(Chunk& c, const offload::DeviceEvent& host_after = {}) noexcept;
@@ -239,6 +251,7 @@ class ChunkManager {
   std::array<TierStats, kNumTiers> stats_{};
   std::array<int, kNumTiers> outgoing_{};  // moves in flight leaving each tier
   std::array<int, kNumTiers> incoming_{};  // moves in flight arriving on each tier
+  std::array<uint64_t, kNumTiers> outgoing_bytes_{};  // bytes those leaving moves free when they finish
   mutable MoveStats moves_;
   PlacementListener placement_listener_;
   struct HostFree {

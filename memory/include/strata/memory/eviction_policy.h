@@ -35,20 +35,29 @@ class EvictionPolicy {
   virtual void on_leave(ChunkId chunk, Tier tier) = 0;
   /// Picks the chunk to evict from `tier` among `candidates` (never empty).
   virtual ChunkId choose_victim(Tier tier, const std::vector<ChunkId>& candidates) = 0;
+  /// The chunk, on `tier`, will not be used before every chunk used since
+  /// it was demoted: order it first to leave, the last demoted first
+  /// (ChunkManager::demote). Policies that know the future ignore it.
+  virtual void on_demote(ChunkId chunk, Tier tier) {
+    (void)chunk, (void)tier;
+  }
 };
 
 /// Least recently used: evicts the candidate whose last access is oldest
-/// (ties: the lower chunk id, so runs are reproducible).
+/// (ties: the lower chunk id, so runs are reproducible). Demoted chunks are
+/// older than any access, the last demoted oldest.
 class LruPolicy final : public EvictionPolicy {
  public:
   const char* name() const noexcept override { return "lru"; }
   void on_access(ChunkId chunk, Tier tier) override;
   void on_leave(ChunkId chunk, Tier tier) override;
   ChunkId choose_victim(Tier tier, const std::vector<ChunkId>& candidates) override;
+  void on_demote(ChunkId chunk, Tier tier) override;
 
  private:
-  uint64_t clock_ = 0;
-  std::unordered_map<ChunkId, uint64_t> last_access_;
+  int64_t clock_ = 0;  // accesses count up from 1, demotions down from -1
+  int64_t demoted_ = 0;
+  std::unordered_map<ChunkId, int64_t> last_access_;
 };
 
 // Note [Belady over the recorded operator sequence]
@@ -73,6 +82,8 @@ class TracePolicy final : public EvictionPolicy {
   void on_access(ChunkId chunk, Tier tier) override;
   void on_leave(ChunkId chunk, Tier tier) override;
   ChunkId choose_victim(Tier tier, const std::vector<ChunkId>& candidates) override;
+  /// For the LRU order it falls back to; the plan's next uses take precedence.
+  void on_demote(ChunkId chunk, Tier tier) override { lru_.on_demote(chunk, tier); }
 
   /// `ops[k]` are the chunks operator k of a step uses.
   void set_plan(std::vector<std::vector<ChunkId>> ops);
@@ -113,6 +124,7 @@ class StaticPolicy final : public EvictionPolicy {
   void on_access(ChunkId chunk, Tier tier) override { lru_.on_access(chunk, tier); }
   void on_leave(ChunkId chunk, Tier tier) override { lru_.on_leave(chunk, tier); }
   ChunkId choose_victim(Tier tier, const std::vector<ChunkId>& candidates) override;
+  void on_demote(ChunkId chunk, Tier tier) override { lru_.on_demote(chunk, tier); }
 
   void set_held(std::unordered_set<ChunkId> held);
   bool held(ChunkId chunk) const;
