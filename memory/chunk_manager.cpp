@@ -13,6 +13,15 @@ namespace strata::memory {
 
 namespace {
 
+// Wakes the waiters of `cv` when it goes out of scope (when `armed`), however the scope ends.
+struct NotifyOnExit {
+  bool armed;
+  std::condition_variable& cv;
+  ~NotifyOnExit() {
+    if (armed) cv.notify_all();
+  }
+};
+
 // Marks a chunk as part of the move in progress for the guard's lifetime.
 class BusyGuard {
  public:
@@ -260,10 +269,7 @@ void* ChunkManager::overwrite(ChunkId id, Tier tier) {
     STRATA_CHECK(c.movable(), "cannot overwrite ", c.describe(), " on ", tier_name(tier), ": ", c.compute_count_,
                  " of its tensors are in COMPUTE elsewhere");
     BusyGuard busy(c.busy_);
-    struct Notify {
-      std::condition_variable& cv;
-      ~Notify() { cv.notify_all(); }
-    } notify{idle_};
+    NotifyOnExit notify{true, idle_};
     // Room and zeros first: when either fails, the old payload is still the chunk's.
     const size_t bytes = c.alloc_bytes();
     make_room(tier, bytes, c, lock);
@@ -316,13 +322,7 @@ void ChunkManager::move_locked(Chunk& c, Tier to, Lock& lock) {
                " of its tensors are in COMPUTE; finish the operator (transition to HOLD) first");
   const bool outer = !c.busy_;
   BusyGuard busy(c.busy_);
-  struct Notify {  // wake waiters when the outermost move of `c` ends, however it ends
-    bool outer;
-    std::condition_variable& cv;
-    ~Notify() {
-      if (outer) cv.notify_all();
-    }
-  } notify{outer, idle_};
+  NotifyOnExit notify{outer, idle_};  // wake waiters when the outermost move of `c` ends
   if (!c.location_) {
     materialize(c, to == Tier::kNvme ? Tier::kHost : to, lock);
     if (to != Tier::kNvme) return;
@@ -351,7 +351,6 @@ void ChunkManager::transfer(Chunk& c, Tier to, Lock& lock) {
   } else {
     dst = allocate(to, bytes);
   }
-  outgoing_[static_cast<int>(from)] += 1;
   outgoing_bytes_[static_cast<int>(from)] += bytes;
   incoming_[static_cast<int>(to)] += 1;
   moves_.started_bytes[static_cast<int>(from)][static_cast<int>(to)] += bytes;
@@ -391,7 +390,6 @@ void ChunkManager::transfer(Chunk& c, Tier to, Lock& lock) {
     failure = std::current_exception();
   }
   lock.lock();
-  outgoing_[static_cast<int>(from)] -= 1;
   outgoing_bytes_[static_cast<int>(from)] -= bytes;
   incoming_[static_cast<int>(to)] -= 1;
   if (failure) {
@@ -455,7 +453,7 @@ void ChunkManager::make_room(Tier tier, size_t bytes, const Chunk& requester, Lo
         if (c->location_ == tier && c->movable() && !c->busy_ && !c->gathered_) candidates.push_back(c->id_);
       }
     }
-    if (candidates.empty() && (outgoing_[static_cast<int>(tier)] > 0 || incoming_[static_cast<int>(tier)] > 0)) {
+    if (candidates.empty() && (outgoing_bytes_[static_cast<int>(tier)] > 0 || incoming_[static_cast<int>(tier)] > 0)) {
       // A move leaving this tier will free its source; one arriving will
       // leave an evictable chunk unless its caller pins it. Both finish
       // without this lock's holder, so waiting cannot deadlock.
@@ -690,12 +688,6 @@ uint64_t ChunkManager::set_budget(Tier tier, uint64_t bytes) {
   bytes = std::min(bytes, budgets_.of(tier));
   while (s.used > bytes) {
     if (tier == Tier::kHost && settle_host_frees(lock, /*wait=*/true)) continue;
-    // Note [Waiting for moves leaving the tier]
-    if (outgoing_bytes_[static_cast<int>(tier)] > 0 &&
-        s.used - outgoing_bytes_[static_cast<int>(tier)] + bytes <= s.budget) {
-      idle_.wait(lock);
-      continue;
-    }
     std::vector<ChunkId> candidates;
     for (const auto& c : chunks_) {
       if (c->location_ == tier && c->movable() && !c->busy_ && !c->gathered_) candidates.push_back(c->id_);

@@ -249,9 +249,8 @@ class ChunkManager {
   std::vector<std::unique_ptr<Chunk>> chunks_;
   std::vector<ChunkFamily> families_;
   std::array<TierStats, kNumTiers> stats_{};
-  std::array<int, kNumTiers> outgoing_{};  // moves in flight leaving each tier
+  std::array<uint64_t, kNumTiers> outgoing_bytes_{};  // bytes of the moves in flight leaving each tier
   std::array<int, kNumTiers> incoming_{};  // moves in flight arriving on each tier
-  std::array<uint64_t, kNumTiers> outgoing_bytes_{};  // bytes those leaving moves free when they finish
   mutable MoveStats moves_;
   PlacementListener placement_listener_;
   struct HostFree {
