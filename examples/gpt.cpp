@@ -4,7 +4,7 @@
 //
 //   gpt [--data FILE] [--steps 120] [--layers 4] [--dim 128] [--context 64] [--batch 16]
 //       [--device-budget B] [--host-budget B] [--nvme-budget B] [--nvme-dir DIR]
-//       [--precision fp32|bf16|fp16] [--grad-accumulation N] [--clip-norm 1]
+//       [--precision fp32|bf16|fp16] [--grad-accumulation N] [--clip-norm 1] [--update-in-backward]
 //       [--nvme-optim-fraction F] [--chunk-elems N] [--lr 3e-3] [--optimizer adamw|adam|lion|sgd]
 //       [--weight-decay 0.1] [--warmup N] [--schedule cosine|linear|constant] [--schedule-steps N]
 //       [--min-lr-ratio 0.1]
@@ -386,6 +386,9 @@ int run(int argc, char** argv) {
   app.add_option("--precision", precision, "fp32, bf16 or fp16 (fp16 with dynamic loss scaling)");
   app.add_option("--grad-accumulation", opts.grad_accumulation, "micro-steps per optimizer step")->check(CLI::PositiveNumber);
   app.add_option("--clip-norm", opts.clip_norm, "global grad-norm clipping; 0: none");
+  app.add_flag("--update-in-backward", opts.update_in_backward,
+               "update each chunk family in backward as soon as its gradients are final (docs/scale.md): exact "
+               "without clipping; with --clip-norm, relaxed: clipped by the norm as far as backward knows it");
   app.add_option("--nvme-optim-fraction", opts.nvme_optim_fraction,
                  "fraction of chunk families whose optimizer state lives on NVMe; -1: auto");
   app.add_option("--chunk-elems", opts.chunk_elems, "elements per chunk; 0: auto");
@@ -483,7 +486,7 @@ int run(int argc, char** argv) {
   if (baseline) {
     // Plain LibTorch, everything resident: the reference point for strata's
     // figures (AdamW, one group, the same schedule), on the same model.
-    for (const char* flag : {"--config", "--pp", "--tp", "--sp", "--zero-stage", "--lazy"}) {
+    for (const char* flag : {"--config", "--pp", "--tp", "--sp", "--zero-stage", "--lazy", "--update-in-backward"}) {
       STRATA_CHECK(app.count(flag) == 0, "--baseline trains one process with plain LibTorch; drop ", flag);
     }
     mc.tied_head = !untied_head;

@@ -53,6 +53,7 @@ struct ScaleBenchOptions {
   std::string nvme_dir;
   std::string store_probe = "1GiB";
   bool json = false;
+  bool update_in_backward = false;
 };
 
 // "3b", "1.5B", "800m", "125000000" -> a count.
@@ -140,6 +141,7 @@ void run_scale_bench(const ScaleBenchOptions& o) {
   eo.budgets = {parse_bytes(o.device), parse_bytes(o.host), parse_bytes(o.nvme)};
   eo.nvme_dir = o.nvme_dir.empty() ? (fs::temp_directory_path() / "strata-bench-scale").string() : o.nvme_dir;
   eo.clip_norm = 1.0;
+  eo.update_in_backward = o.update_in_backward;
   eo.precision = parse_dtype(o.precision);
   const torch::ScalarType compute = eo.precision == DType::kFloat32    ? torch::kFloat32
                                     : eo.precision == DType::kBFloat16 ? torch::kBFloat16
@@ -189,11 +191,20 @@ void run_scale_bench(const ScaleBenchOptions& o) {
                o.store_probe);
     fmt::print("construction (lazy): {:.1f} s, peak RSS +{}\n", build_s, format_bytes(build_peak));
     fmt::print("attach (materialise into chunks): {:.1f} s, peak RSS +{}\n", attach_s, format_bytes(attach_peak));
-    fmt::print("least NVMe traffic of a step (Note [The least traffic of a step]; state {}, gradients {}, memory {}): "
+    fmt::print("least NVMe traffic of a step (Note [The least traffic of a step]; state {}, gradients {}, memory {}{}): "
                "{} read + {} written, {:.1f} s at the store's bandwidth, on average over steps; {} for one step alone\n",
                format_bytes(step_state.persistent), format_bytes(step_state.gradients), format_bytes(step_state.memory),
+               step_state.global_barrier ? "" : "; updates in backward, no global fact before them",
                format_bytes(least.steady.read), format_bytes(least.steady.written), least_s,
                format_bytes(least.one_step.total()));
+    if (!step_state.global_barrier) {
+      memory::StepState exact = step_state;
+      exact.global_barrier = true;
+      const memory::TrafficBound b = memory::least_step_traffic(exact);
+      fmt::print("  (with a global fact before the updates, as without --update-in-backward: {} read + {} written, "
+                 "{:.1f} s)\n", format_bytes(b.steady.read), format_bytes(b.steady.written),
+                 b.steady.seconds(read_gbps, write_gbps));
+    }
     fmt::print("compute floor (resident forward, recomputation and backward): embedding and head {:.2f} s + {} blocks x "
                "{:.2f} s = {:.1f} s\n", floor.ends, mc.layers, floor.block, floor.total);
     fmt::print("{:<5} {:>9} {:>11} {:>11} {:>9} {:>8} {:>8} {:>8} {:>10}\n", "step", "time s", "nvme read",
@@ -208,7 +219,8 @@ void run_scale_bench(const ScaleBenchOptions& o) {
     const mem::MoveStats moves_before = engine->chunks().move_stats();
     const Traffic before = nvme_traffic(moves_before);
     t = Clock::now();
-    const double loss = engine->train_step([&] { return examples::gpt_loss(model->forward(x), y); }).loss;
+    const parallel::StepResult result = engine->train_step([&] { return examples::gpt_loss(model->forward(x), y); });
+    const double loss = result.loss;
     const double step_s = since(t);
     total_s += step_s;
     const mem::MoveStats moves_after = engine->chunks().move_stats();
@@ -234,7 +246,8 @@ void run_scale_bench(const ScaleBenchOptions& o) {
     steps.push_back({{"step", s}, {"seconds", step_s}, {"nvme_read_bytes", read}, {"nvme_written_bytes", written},
                      {"moved_seconds", moved_s}, {"ratio_to_moved", moved_s > 0 ? step_s / moved_s : 0},
                      {"ratio_to_least", ratio}, {"loss", loss}, {"nvme_by_role", by_role},
-                     {"operators_waited_seconds", wait_ops}, {"optimizer_waited_seconds", wait_optim}});
+                     {"operators_waited_seconds", wait_ops}, {"optimizer_waited_seconds", wait_optim},
+                     {"families_updated_in_backward", result.updated_in_backward}});
     if (!o.json) {
       const offload::HostArenaStats arena = engine->chunks().host_arena().stats();
       fmt::print("{:<5} {:>9.1f} {:>11} {:>11} {:>9.1f} {:>8.1f} {:>8.1f} {:>7.2f}x {:>10.4f}   RSS {} (host arena: {} "
@@ -242,8 +255,11 @@ void run_scale_bench(const ScaleBenchOptions& o) {
                  s, step_s, format_bytes(read), format_bytes(written), moved_s, least_s, floor.total, ratio, loss,
                  format_bytes(status_bytes("VmRSS")), format_bytes(arena.mapped_bytes),
                  format_bytes(arena.allocated_bytes));
-      fmt::print("      nvme read / written by role: {}; waited for chunks: operators {:.1f} s, optimizer {:.1f} s\n",
-                 roles.empty() ? "none" : roles, wait_ops, wait_optim);
+      fmt::print("      nvme read / written by role: {}; waited for chunks: operators {:.1f} s, optimizer {:.1f} s{}\n",
+                 roles.empty() ? "none" : roles, wait_ops, wait_optim,
+                 o.update_in_backward ? fmt::format("; {} of {} families updated in backward", result.updated_in_backward,
+                                                    engine->num_families())
+                                      : std::string());
       std::fflush(stdout);
     }
   }
@@ -309,6 +325,9 @@ void add_bench_scale_command(CLI::App& bench) {
   cmd->add_option("--nvme-budget", o->nvme, "NVMe tier budget")->capture_default_str();
   cmd->add_option("--nvme-dir", o->nvme_dir, "an empty directory for the NVMe tier (default: $TMPDIR/strata-bench-scale)");
   cmd->add_option("--store-probe", o->store_probe, "bytes the store's bandwidth is measured over")->capture_default_str();
+  cmd->add_flag("--update-in-backward", o->update_in_backward,
+                "update each family in backward as soon as its gradients are final, clipped by the norm as far as "
+                "backward knows it (EngineOptions::update_in_backward)");
   cmd->add_flag("--json", o->json, "print one JSON document");
   cmd->callback([o] { run_scale_bench(*o); });
 }

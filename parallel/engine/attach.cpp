@@ -55,6 +55,14 @@ Engine::Impl::Impl(torch::nn::Module& module, OptimizerConfig optimizer, EngineO
   ctx.compute = scalar_type_of(options.precision);
   ctx.stage = ctx.data_parallel() ? options.zero_stage : 0;
   ctx.rank = ctx.comm ? ctx.comm->rank() : 0;
+  STRATA_CHECK(!options.update_in_backward || !ctx.data_parallel(), "update_in_backward needs one data-parallel rank: "
+               "with ", ctx.world(), " a gradient is final only after its reduction over the ranks, after backward; "
+               "set update_in_backward false, or train on one data-parallel rank (tensor and pipeline parallelism "
+               "are fine)");
+  STRATA_CHECK(!options.update_in_backward || options.clip_norm == 0 || options.pipeline_group == nullptr,
+               "update_in_backward with clip_norm needs the whole model on one rank: a pipeline stage cannot know "
+               "the other stages' part of the gradient norm while it runs backward; set clip_norm 0 (the updates "
+               "in backward are then exact) or update_in_backward false");
 
   make_chunk_manager(ctx, residency.make_policy());
 
@@ -115,6 +123,10 @@ Engine::Impl::Impl(torch::nn::Module& module, OptimizerConfig optimizer, EngineO
   STRATA_CHECK(ctx.tensor_group == nullptr || ctx.comm == nullptr || ctx.comm.get() != ctx.tensor_group,
                "attach's communicator is the tensor group its layers split parameters over; pass the data-parallel "
                "group (the mesh's data axis), or none");
+  STRATA_CHECK(!options.update_in_backward || options.clip_norm == 0 || ctx.tensor_group == nullptr,
+               "update_in_backward with clip_norm needs the whole model on one rank: a tensor-parallel rank cannot "
+               "know the others' part of the gradient norm while it runs backward; set clip_norm 0 (the updates in "
+               "backward are then exact) or update_in_backward false");
   assign_groups(ctx);
   register_parameters(ctx);
   if (ctx.data_parallel()) check_same_layout_on_every_rank(ctx);  // before any collective pairs buffers
@@ -142,6 +154,7 @@ Engine::Impl::Impl(torch::nn::Module& module, OptimizerConfig optimizer, EngineO
   if (ctx.stage == 1 || ctx.stage == 2) step_gathers = std::make_unique<StepGathers>(ctx);
   pipeline = std::make_unique<StepPipeline>(ctx, *sink, step_gathers.get());
   sink->set_arrival_hook([p = pipeline.get()](memory::FamilyId f, bool complete) { p->gradients_arrived(f, complete); });
+  sink->set_settled_hook([p = pipeline.get()](size_t index) { p->gradient_settled(index); });
   pipeline->place_optimizer_state();
   residency.hold_static_chunks();
   ctx.mgr->set_placement_listener(

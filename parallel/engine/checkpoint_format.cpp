@@ -82,6 +82,8 @@ SavedState parse_saved_state(const std::string& text, const std::string& path, c
     v.loss_scale = st.at("loss_scale").get<double>();
     v.clean_steps = st.at("clean_steps").get<int>();
     v.skipped = st.at("skipped_steps").get<int64_t>();
+    if (st.contains("previous_grad_norm")) v.previous_grad_norm = st.at("previous_grad_norm").get<double>();
+    if (st.contains("gradient_arrivals")) v.gradient_arrivals = st.at("gradient_arrivals").get<std::vector<int>>();
     if (st.contains("optimizer")) {
       const json& o = st.at("optimizer");
       v.optimizer = o.at("kind").get<std::string>();

@@ -117,6 +117,8 @@ struct SavedState {
   int grad_accumulation = 1, micro_steps = 0, clean_steps = 0;
   int64_t skipped = 0;
   double loss_scale = 1.0;
+  std::optional<double> previous_grad_norm;  // absent before the first step, and in older checkpoints
+  std::vector<int> gradient_arrivals;        // Note [Updates in backward]; empty: not saved
   std::vector<std::string> rng_files;
   std::string optimizer = "adamw";
   std::vector<std::string> states = {"exp_avg", "exp_avg_sq"};

@@ -349,6 +349,8 @@ struct Engine::Impl::CheckpointLoad {
   void restore_scalars() {
     impl.micro_steps = saved.micro_steps;
     impl.pipeline->restore_scaler(saved.loss_scale, saved.clean_steps, saved.skipped);
+    impl.pipeline->restore_previous_grad_norm(saved.previous_grad_norm);
+    impl.pipeline->restore_gradient_arrivals(saved.gradient_arrivals);
     for (const GroupSettings& saved_group : saved.groups) {
       for (GroupSettings& g : s.groups) {
         if (g.name == saved_group.name) g = saved_group;

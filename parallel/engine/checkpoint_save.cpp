@@ -360,7 +360,7 @@ struct Engine::Impl::CheckpointSave {
     }
     json list = json::array();
     for (const std::string& n : names) list.push_back(by_name.at(n));
-    const json state = {{"format", "strata-engine-state"},
+    json state = {{"format", "strata-engine-state"},
                         {"precision", dtype_name(s.options.precision)},
                         {"grad_accumulation", s.options.grad_accumulation},
                         {"micro_steps", impl.micro_steps},
@@ -374,6 +374,11 @@ struct Engine::Impl::CheckpointSave {
                         {"rng", rng_files},
                         {"module_state", module_files},
                         {"parameters", list}};
+    // Note [Updates in backward]: the norm the next step clips by.
+    if (const std::optional<double> norm = impl.pipeline->previous_grad_norm()) state["previous_grad_norm"] = *norm;
+    if (s.options.update_in_backward && !impl.pipeline->gradient_arrivals().empty()) {
+      state["gradient_arrivals"] = impl.pipeline->gradient_arrivals();
+    }
     w->write_text("state.json", state.dump(1) + "\n");
     w->commit();
     if (then) then(dir);

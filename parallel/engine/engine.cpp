@@ -178,6 +178,8 @@ void Engine::Impl::begin_final_backward() {
   // Note [Gradient statistics as families complete]: not when a reduction changes the gradients after they arrive.
   const bool track = boundary_ && reducer == nullptr;
   pipeline->track_gradients(track);
+  // Note [Updates in backward]: not when the user's hook before the step may change the gradients.
+  if (track) pipeline->begin_backward(ctx.options.update_in_backward && !has_before_step_);
   sink->track(track);
 }
 
@@ -189,6 +191,7 @@ StepResult Engine::Impl::run_step(const std::function<double(double)>& passes,
   r.loss_scale = pipeline->loss_scale();
   boundary_ = (micro_steps + 1) % ctx.options.grad_accumulation == 0;
   final_started_ = false;
+  has_before_step_ = static_cast<bool>(before_step);
   try {
     if (recorder) recorder->begin_step();
     residency.begin_step();
@@ -235,6 +238,7 @@ StepResult Engine::Impl::run_step(const std::function<double(double)>& passes,
     }
     r.stepped = pipeline->step(r.grad_norm);
     r.overflow = !r.stepped;
+    r.updated_in_backward = pipeline->updated_in_backward();
     if (tracing()) recorder->end_op();
   }
   if (recorder) recorder->end_step();
@@ -271,6 +275,7 @@ void Engine::Impl::abandon_step() noexcept {
       op_gathers->release_all();
     });
   if (reducer) attempt("waiting for gradient reductions", [&] { reducer->abandon(); });
+  pipeline->abandon_backward();
   attempt("dropping gradients", [&] { sink->zero(); });
   if (recorder) attempt("ending the trace step", [&] { recorder->end_step(); });
   micro_steps -= micro_steps % ctx.options.grad_accumulation;
@@ -444,7 +449,9 @@ memory::StepState Engine::step_state() const {
   s.persistent = n * (4 + 4 * static_cast<uint64_t>(ctx.optimizer.state_count()));
   s.gradients = n * dtype_size(ctx.options.precision);
   s.memory = ctx.mgr->tier_stats(Tier::kDevice).budget + ctx.mgr->tier_stats(Tier::kHost).budget;
-  s.global_barrier = true;  // the overflow check skips a step on every family (StepPipeline::step)
+  // The overflow check skips a step on every family (StepPipeline::step); with
+  // update_in_backward no update waits for it (Note [Updates in backward]).
+  s.global_barrier = !ctx.options.update_in_backward;
   return s;
 }
 

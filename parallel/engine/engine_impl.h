@@ -103,6 +103,7 @@ struct Engine::Impl final : OpObserver {
   // final backward began, whether its passes are running.
   bool boundary_ = false;
   bool final_started_ = false;
+  bool has_before_step_ = false;  // this train_step has a hook before its optimizer step
   bool in_passes_ = false;
   // A load that failed after it began changing chunks left the state mixed:
   // training refuses until a load succeeds (Note [Loading a checkpoint]).

@@ -61,6 +61,10 @@ EngineOptions EngineOptions::from_env(EngineOptions base) {
     STRATA_CHECK(v == "0" || v == "1", "\"", v, "\" is not 0 or 1");
     o.prefetch = v == "1";
   });
+  from_env_var("STRATA_UPDATE_IN_BACKWARD", [&](const std::string& v) {
+    STRATA_CHECK(v == "0" || v == "1", "\"", v, "\" is not 0 or 1");
+    o.update_in_backward = v == "1";
+  });
   from_env_var("STRATA_POLICY", [&](const std::string& v) { o.policy = v; });
   from_env_var("STRATA_STATIC_PARAM_FRACTION",
                [&](const std::string& v) { o.static_param_fraction = parse_number(v); });
@@ -81,6 +85,9 @@ void EngineOptions::validate() const {
                " needs a directory for its files (nvme_dir, STRATA_NVME_DIR)");
   STRATA_CHECK(chunk_elems >= 0, "chunk_elems is ", chunk_elems, "; give a positive size, or 0 for auto");
   STRATA_CHECK(clip_norm >= 0, "clip_norm is ", clip_norm, "; give a positive norm, or 0 for no clipping");
+  STRATA_CHECK(!update_in_backward || precision != DType::kFloat16, "update_in_backward cannot run with fp16: the "
+               "loss scaler skips a step when any gradient overflows, which is known only after every family's "
+               "gradients exist; use bf16, or set update_in_backward false");
   STRATA_CHECK(grad_accumulation >= 1, "gradient accumulation steps must be at least 1, got ", grad_accumulation);
   STRATA_CHECK(device_optim_fraction >= 0.0 && device_optim_fraction <= 1.0, "device_optim_fraction is ",
                device_optim_fraction, "; give the fraction of chunk families updated on the device, in [0, 1]");

@@ -61,7 +61,17 @@ void GradSink::uninstall() noexcept {
 }
 
 void GradSink::accumulate(size_t index, const torch::Tensor& grad) {
-  std::lock_guard<std::mutex> lock(mu_);
+  bool tracked = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    add(index, grad);
+    tracked = tracking_;
+  }
+  if (tracked && settled_) settled_(index);
+}
+
+// accumulate() under the sink's lock.
+void GradSink::add(size_t index, const torch::Tensor& grad) {
   ManagedParam& p = ctx_.params[index];
   const ChunkId gc = ctx_.mgr->family(p.family).grad;
   const Tier tier = ctx_.comm_tier();  // Note [Chunks where the communicator reads them]

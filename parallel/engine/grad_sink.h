@@ -51,15 +51,22 @@ class GradSink {
   /// when every trainable parameter of the family has arrived once since
   /// track(true).
   void set_arrival_hook(std::function<void(memory::FamilyId, bool complete)> hook) { hook_ = std::move(hook); }
+  /// Note [Updates in backward]: `hook(index)` runs after each arrival of
+  /// parameter `index`'s gradient while tracking, once the sink has let go
+  /// of the gradient chunk and of its lock, on the thread that delivered it.
+  void set_settled_hook(std::function<void(size_t index)> hook) { settled_ = std::move(hook); }
   /// Starts (or stops) counting arrivals afresh: at the backward that ends
   /// an accumulation, when nothing changes the gradients after it.
   void track(bool on);
 
  private:
+  void add(size_t index, const torch::Tensor& grad);
+
   EngineContext& ctx_;
   GradientReducer* reducer_;
   std::mutex mu_;
   std::function<void(memory::FamilyId, bool)> hook_;
+  std::function<void(size_t)> settled_;
   bool tracking_ = false;
   std::vector<bool> arrived_;     // by parameter index, since track(true)
   std::vector<size_t> missing_;   // by family position: trainable parameters not yet arrived

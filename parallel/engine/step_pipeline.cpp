@@ -1,10 +1,12 @@
 #include "step_pipeline.h"
 
+#include <fmt/format.h>
 #include <torch/torch.h>
 
 #include <algorithm>
 #include <cmath>
 #include <future>
+#include <limits>
 #include <numeric>
 
 #include "../zero/gathers.h"
@@ -115,6 +117,148 @@ void StepPipeline::gradients_arrived(memory::FamilyId f, bool complete) {
   early_replicated_[pos] = ctx_.tensor_group != nullptr ? replicated_sum_sq(f) : 0.0;
 }
 
+// Note [Updates in backward]
+void StepPipeline::begin_backward(bool fuse) {
+  std::lock_guard<std::mutex> lock(fuse_mu_);
+  const size_t n = ctx_.families.size();
+  counting_ = true;
+  arrivals_.assign(ctx_.params.size(), 0);
+  first_arrivals_.assign(n, 0);
+  updated_early_.assign(n, false);
+  order_.clear();
+  fusing_ = fuse && expected_.size() == ctx_.params.size() &&
+            (ctx_.options.clip_norm == 0 || previous_norm_.has_value());
+  if (!fusing_) return;
+  constexpr int kNever = std::numeric_limits<int>::max() / 2;
+  unsettled_.assign(n, 0);
+  for (size_t i = 0; i < ctx_.params.size(); ++i) {
+    const ManagedParam& p = ctx_.params[i];
+    if (p.accumulator == nullptr) continue;  // frozen: never arrives
+    const size_t pos = ctx_.family_pos.at(p.family);
+    unsettled_[pos] = expected_[i] > 0 && unsettled_[pos] < kNever ? unsettled_[pos] + 1 : kNever;
+  }
+  for (size_t pos = 0; pos < n; ++pos) {
+    if (optim_on_device_[pos] || unsettled_[pos] == 0) unsettled_[pos] = kNever;
+  }
+  early_multiplier_ = static_cast<float>(multiplier(0.0));  // without clipping, the step's own
+  done_sq_ = 0.0;
+  done_elems_ = 0;
+  trainable_elems_ = 0;
+  for (const ManagedParam& p : ctx_.params) trainable_elems_ += p.accumulator != nullptr ? p.numel : 0;
+  early_lrs_.resize(ctx_.groups.size());
+  for (size_t g = 0; g < early_lrs_.size(); ++g) early_lrs_[g] = static_cast<float>(current_lr(g));
+}
+
+void StepPipeline::gradient_settled(size_t index) {
+  std::lock_guard<std::mutex> lock(fuse_mu_);
+  if (!counting_) return;
+  const ManagedParam& p = ctx_.params[index];
+  const size_t pos = ctx_.family_pos.at(p.family);
+  const int n = ++arrivals_[index];
+  STRATA_CHECK(!updated_early_[pos], "parameter ", p.name, "'s gradient arrived (", n, " times in this backward, ",
+               index < expected_.size() ? expected_[index] : 0, " in the one before) after update_in_backward had "
+               "updated its chunk family with the gradients before it; the model uses this parameter differently "
+               "from step to step, which updates in backward cannot follow. The step is abandoned, but that family "
+               "keeps the update; set update_in_backward false and resume from a checkpoint");
+  if (n == 1) {
+    int trainable = 0;
+    for (size_t i : ctx_.params_of_chunk.at(ctx_.mgr->family(p.family).param)) {
+      trainable += ctx_.params[i].accumulator != nullptr ? 1 : 0;
+    }
+    if (++first_arrivals_[pos] == trainable) order_.push_back(pos);
+  }
+  if (!fusing_) return;
+  constexpr int kNever = std::numeric_limits<int>::max() / 2;
+  if (unsettled_[pos] >= kNever) return;
+  if (n > expected_[index]) {  // used more often than the step before: the step updates it
+    unsettled_[pos] = kNever;
+    return;
+  }
+  if (n < expected_[index] || --unsettled_[pos] > 0) return;
+  if (!update_early(pos)) unsettled_[pos] = kNever;
+}
+
+bool StepPipeline::update_early(size_t pos) {
+  memory::ChunkManager& mgr = *ctx_.mgr;
+  const memory::FamilyId f = ctx_.families[pos];
+  if (!track_ || pos >= early_stats_.size()) return false;
+  if (!early_stats_[pos]) {  // an arrival after the sink saw the family complete forgot them
+    const ChunkId gc = ctx_.step_grad(f);
+    const auto slots = ctx_.all_slots(gc);
+    ctx_.pin(gc, Tier::kHost, slots);
+    try {
+      early_stats_[pos] = kernels::grad_stats(mgr.data(gc), ctx_.options.precision, mgr.chunk(gc).capacity_elems());
+      early_replicated_[pos] = ctx_.tensor_group != nullptr ? replicated_sum_sq(f) : 0.0;
+    } catch (...) {
+      ctx_.unpin(gc, slots);
+      throw;
+    }
+    ctx_.unpin(gc, slots);
+  }
+  if (!early_stats_[pos]->finite) return false;  // the step skips; nothing is updated here
+  // The family that became complete after this one in the backward before: its state, read while this one updates.
+  const auto next = std::find(last_order_.begin(), last_order_.end(), pos);
+  const auto read_next = [&] {
+    if (!ctx_.options.prefetch || next == last_order_.end()) return;
+    for (auto it = std::next(next); it != last_order_.end(); ++it) {
+      if (updated_early_[*it]) continue;
+      std::vector<ChunkId> state = ctx_.optim_members(ctx_.families[*it]);
+      for (ChunkId c : state) {
+        if (mgr.chunk(c).resident_on(Tier::kHost)) mgr.access(c, Tier::kHost);  // most recently used: not a victim
+      }
+      ctx_.read_ahead(state, early_ahead_, /*only_into_free=*/false);
+      return;
+    }
+  };
+  float grad_scale = early_multiplier_;
+  if (ctx_.options.clip_norm > 0) {  // Note [Updates in backward]: the norm as far as it is known
+    done_sq_ += early_stats_[pos]->sum_sq;
+    for (size_t i : ctx_.params_of_chunk.at(ctx_.mgr->family(f).param)) {
+      done_elems_ += ctx_.params[i].accumulator != nullptr ? ctx_.params[i].numel : 0;
+    }
+    const double unit = 1.0 / (ctx_.options.grad_accumulation * ctx_.world()) / scale_;  // as grad_norm's
+    const double pending = 1.0 - static_cast<double>(done_elems_) / static_cast<double>(std::max<int64_t>(1, trainable_elems_));
+    const double estimate = std::sqrt(done_sq_ * unit * unit + *previous_norm_ * *previous_norm_ * std::max(0.0, pending));
+    grad_scale = static_cast<float>(multiplier(estimate));
+  }
+  update_family(pos, Tier::kHost, grad_scale, early_lrs_, read_next, ctx_.wait.optimizer);
+  updated_early_[pos] = true;
+  if (optim_on_nvme_[pos]) {
+    for (ChunkId c : ctx_.optim_members(f)) early_behind_.push_back(mgr.prefetch(c, Tier::kNvme));
+  }
+  return true;
+}
+
+void StepPipeline::end_backward() {
+  std::lock_guard<std::mutex> lock(fuse_mu_);
+  if (counting_) {
+    expected_ = arrivals_;
+    last_order_ = order_;
+  }
+  counting_ = false;
+  fusing_ = false;
+  EngineContext::settle(early_ahead_);
+  std::vector<offload::CopyTicket> behind = std::move(early_behind_);
+  early_behind_.clear();
+  for (auto& t : behind) offload::CopyEngine::wait(t);  // a failed write-back is the step's error
+}
+
+void StepPipeline::abandon_backward() noexcept {
+  std::lock_guard<std::mutex> lock(fuse_mu_);
+  counting_ = false;
+  fusing_ = false;
+  updated_early_.clear();
+  EngineContext::settle(early_ahead_);
+  for (auto& t : early_behind_) t.wait();
+  early_behind_.clear();
+}
+
+double StepPipeline::multiplier(double norm) const {
+  double m = 1.0 / (ctx_.options.grad_accumulation * ctx_.world()) / scale_;
+  if (ctx_.options.clip_norm > 0) m *= kernels::clip_coefficient(norm, ctx_.options.clip_norm);
+  return m;
+}
+
 // One read of every gradient chunk whose statistics backward did not take
 // (Note [Gradient statistics as families complete]); at stages 2-3 the
 // ranks' partial sums of their shards are summed in rank order, so every
@@ -130,12 +274,12 @@ kernels::GradStats StepPipeline::grad_stats() {
   const auto taken = [&](size_t i) { return i < early.size() && early[i].has_value(); };
   for (size_t i = 0; i < ctx_.families.size(); ++i) {
     const ChunkId gc = ctx_.step_grad(ctx_.families[i]);
-    if (!mgr.chunk(gc).location()) continue;  // never materialised: no gradient, zero
-    if (taken(i)) {
+    if (taken(i)) {  // before the chunk: a family updated in backward dropped it
       total.merge(*early[i]);
       replicated += early_replicated[i];
       continue;
     }
+    if (!mgr.chunk(gc).location()) continue;  // never materialised: no gradient, zero
     const auto slots = ctx_.all_slots(gc);
     const auto waited_from = Clock::now();
     ctx_.pin(gc, Tier::kHost, slots);
@@ -431,7 +575,7 @@ void StepPipeline::update_split(float grad_scale, const std::vector<float>& lrs,
   const size_t n = ctx_.families.size();
   std::vector<size_t> host_families;
   for (size_t i = 0; i < n; ++i) {
-    if (!optim_on_device_[i]) host_families.push_back(i);
+    if (!optim_on_device_[i] && !updated_early(i)) host_families.push_back(i);  // Note [Updates in backward]
   }
   // One promise per host family, kept by the worker in order; a failure is
   // handed to the family it struck and to every one after it.
@@ -458,6 +602,7 @@ void StepPipeline::update_split(float grad_scale, const std::vector<float>& lrs,
     }
     size_t k = 0;
     for (size_t i = 0; i < n; ++i) {
+      if (updated_early(i)) continue;  // its after() ran in backward
       if (!optim_on_device_[i]) host_updated[k++].get_future().get();  // rethrows the worker's failure
       after(i);
     }
@@ -482,15 +627,19 @@ bool StepPipeline::step(double& grad_norm) {
       STRATA_LOG(kInfo, "fp16 gradients overflowed at loss scale {}: step skipped, scale now {}", scale_, next);
       scale_ = next;
     } else {
-      STRATA_LOG(kWarn, "gradients hold inf or nan in a {} run: step skipped", dtype_name(options.precision));
+      const auto early = static_cast<size_t>(std::count(updated_early_.begin(), updated_early_.end(), true));
+      STRATA_LOG(kWarn, "gradients hold inf or nan in a {} run: step skipped{}", dtype_name(options.precision),
+                 early == 0 ? std::string()
+                            : fmt::format(", except the {} chunk families update_in_backward had updated already "
+                                          "(their gradients were finite)", early));
     }
     EngineContext::settle(early_);
+    end_backward();
     sink_.zero();
     return false;
   }
   grad_norm = std::sqrt(total.sum_sq) * average / scale_;
-  double multiplier = average / scale_;
-  if (options.clip_norm > 0) multiplier *= kernels::clip_coefficient(grad_norm, options.clip_norm);
+  const double multiplier = this->multiplier(grad_norm);
 
   const std::vector<memory::FamilyId>& families = ctx_.families;
   std::vector<float> lrs(ctx_.groups.size());  // each group's lr for this step: base x schedule
@@ -511,9 +660,12 @@ bool StepPipeline::step(double& grad_norm) {
     if (std::find(optim_on_device_.begin(), optim_on_device_.end(), true) != optim_on_device_.end()) {
       update_split(static_cast<float>(multiplier), lrs, after);
     } else {
-      std::vector<size_t> all(families.size());
-      std::iota(all.begin(), all.end(), size_t{0});
-      update_on_host(all, static_cast<float>(multiplier), lrs, ahead, ctx_.wait.optimizer, after);
+      std::vector<size_t> all;  // what backward did not update (Note [Updates in backward])
+      for (size_t i = 0; i < families.size(); ++i) {
+        if (!updated_early(i)) all.push_back(i);
+      }
+      update_on_host(all, static_cast<float>(multiplier), lrs, ahead, ctx_.wait.optimizer,
+                     [&](size_t k) { after(all[k]); });
     }
     if (gathers_ != nullptr) gathers_->finish(0);
   } catch (...) {
@@ -524,11 +676,14 @@ bool StepPipeline::step(double& grad_norm) {
     EngineContext::settle(ahead);
     EngineContext::settle(early_);
     for (auto& t : behind) t.wait();
+    abandon_backward();
     throw;
   }
   EngineContext::settle(ahead);
   EngineContext::settle(early_);  // started before backward; the accesses above waited for them (counted) or retried them
   for (auto& t : behind) offload::CopyEngine::wait(t);  // a failed write-back is the step's error
+  end_backward();
+  previous_norm_ = grad_norm;
   sink_.zero();
   optimizer_steps_ += 1;
   if (options.precision == DType::kFloat16 && ++clean_steps_ >= options.loss_scale.growth_interval) {

@@ -6,6 +6,8 @@
 // backward (Note [The step pipeline]). Each parameter is updated by the fused
 // kernel of the configured optimizer with its group's hyper-parameters.
 
+#include <algorithm>
+#include <mutex>
 #include <optional>
 #include <vector>
 
@@ -79,6 +81,46 @@ class StepGathers;
 // bytes are the same (an evicted chunk is written now and read later), but
 // the read moves from the disk-bound phase to the next forward, where it
 // is staged ahead of its operators.
+// Note [Updates in backward]
+// With EngineOptions::update_in_backward, the backward that ends an
+// accumulation updates each chunk family the moment its gradients are
+// final: the gradient chunk is still on host where the sink wrote it, the
+// family's optimizer state was read ahead while the layers after it ran
+// backward, and its gradients are dropped after the update, so they never
+// go to NVMe and the optimizer's reads and writes overlap backward instead
+// of following it. "Final" is learnt, not guessed: a backward counts how
+// many times each parameter's gradient arrives, and in the next one a
+// family is final once each of its trainable parameters has arrived as
+// often as then (a weight shared by two checkpointed blocks arrives twice).
+// A family with a parameter that had no gradient then, or one that arrives
+// more often now, waits for the step, as do the families updated on the
+// device; a gradient that arrives after its family was updated is an error
+// naming the parameter (the model uses its parameters differently from
+// step to step: set the option false). The first backward only counts.
+// The step's global facts come from the statistics of each family's final
+// gradients (Note [Gradient statistics as families complete]): the norm is
+// the step's own, taken before each update, so grad_norm and the skip of
+// non-finite steps stay. Without clipping nothing else depends on the norm,
+// and the results equal the step's bit for bit. With clipping the
+// coefficient cannot wait for the last gradient (the relaxed mode): a
+// family updated in backward is clipped by the norm as far as it is known,
+// the families updated so far, itself included, with their own gradients,
+// and the elements still to come at the previous step's norm:
+//   norm^2 ~ done_sum_sq + previous_norm^2 x (elements pending / all).
+// The last family updated sees nearly the step's own norm, and families the
+// step updates see exactly it. Clipping every family by the previous norm
+// alone (what a one-step-delayed coefficient is) left the GPT example 7%
+// behind the exact mode after 80 steps: after a spike in the norm, the
+// spike goes through unclipped and the step after is clipped by it, which
+// Adam's second moment, swollen by the spike, turns into steps far too
+// small; the estimate follows the spike within the backward it happens in.
+// The previous norm is kept in checkpoints, so a resumed run continues as
+// the uninterrupted one. One rank holds the whole model then: under tensor
+// or pipeline parallelism the other ranks' part of the norm is unknown in
+// backward, and clipping with update_in_backward is refused there. A step
+// whose gradients hold inf or nan is skipped as before, except the families
+// already updated (bf16 and fp32 only; fp16 is refused, since its loss
+// scaler skips steps routinely).
 class StepPipeline {
  public:
   /// `sink` drops the gradients after a step; `gathers` (ZeRO stages 1-2,
@@ -103,6 +145,31 @@ class StepPipeline {
   void track_gradients(bool on);
   /// The sink's arrival hook: family `f`'s gradient chunk is pinned on host.
   void gradients_arrived(memory::FamilyId f, bool complete);
+
+  /// Note [Updates in backward]: at the start of the backward that ends an
+  /// accumulation, while its gradients are tracked: counts arrivals from
+  /// now on, and (`fuse`) updates families in it as they become final.
+  void begin_backward(bool fuse);
+  /// The sink's settled hook: parameter `index`'s gradient arrived.
+  void gradient_settled(size_t index);
+  /// After a failed train_step: stops counting, waits for what the updates
+  /// in backward started. Never throws.
+  void abandon_backward() noexcept;
+  /// The last applied step's global gradient norm, from which the next
+  /// step's updates in backward estimate theirs; none before the first.
+  std::optional<double> previous_grad_norm() const { return previous_norm_; }
+  void restore_previous_grad_norm(std::optional<double> norm) { previous_norm_ = norm; }
+  /// How often each parameter's gradient arrived in the last counted
+  /// backward (empty: none yet), which decides what the next backward may
+  /// update; kept in checkpoints so a resumed run updates as the uninterrupted one.
+  const std::vector<int>& gradient_arrivals() const { return expected_; }
+  void restore_gradient_arrivals(std::vector<int> arrivals) {
+    if (arrivals.size() == ctx_.params.size()) expected_ = std::move(arrivals);
+  }
+  /// Families the last backward updated.
+  int updated_in_backward() const {
+    return static_cast<int>(std::count(updated_early_.begin(), updated_early_.end(), true));
+  }
 
   /// Applied optimizer steps: the schedule's position.
   int64_t optimizer_steps() const { return optimizer_steps_; }
@@ -144,6 +211,16 @@ class StepPipeline {
   /// others on a worker; `after(i)` runs here for each family in order once
   /// it is updated.
   void update_split(float grad_scale, const std::vector<float>& lrs, const std::function<void(size_t)>& after);
+  /// What the step multiplies the gradients by: the mean over micro-steps
+  /// and ranks, the loss scale undone, and with clipping the coefficient of
+  /// `norm`.
+  double multiplier(double norm) const;
+  /// Note [Updates in backward]: updates family `pos` now; false when its
+  /// gradients are not finite (the step decides). Holds fuse_mu_.
+  bool update_early(size_t pos);
+  bool updated_early(size_t pos) const { return pos < updated_early_.size() && updated_early_[pos]; }
+  /// Ends what begin_backward started, at the step.
+  void end_backward();
 
   EngineContext& ctx_;
   GradSink& sink_;
@@ -158,6 +235,23 @@ class StepPipeline {
   int clean_steps_ = 0;
   int64_t skipped_ = 0;
   int64_t optimizer_steps_ = 0;
+  // Note [Updates in backward]
+  std::mutex fuse_mu_;
+  bool counting_ = false;  // in a tracked backward, since begin_backward
+  bool fusing_ = false;    // and updating families in it
+  std::vector<int> arrivals_;   // by parameter index: this backward's arrivals
+  std::vector<int> expected_;   // by parameter index: the last counted backward's; empty: none yet
+  std::vector<int> first_arrivals_;  // by family position: trainable parameters arrived at least once
+  std::vector<int> unsettled_;  // by family position: parameters short of their expected arrivals
+  std::vector<bool> updated_early_;   // by family position
+  std::vector<size_t> order_;       // family positions in the order they became complete, this backward
+  std::vector<size_t> last_order_;  // the same, the last counted backward
+  float early_multiplier_ = 1.0f;  // without clipping
+  double done_sq_ = 0.0;           // with clipping: the gradients' sum of squares of the families updated
+  int64_t done_elems_ = 0, trainable_elems_ = 0;  // and their elements, of all trainable ones
+  std::vector<float> early_lrs_;
+  std::vector<offload::CopyTicket> early_ahead_, early_behind_;
+  std::optional<double> previous_norm_;
 };
 
 }  // namespace strata::parallel

@@ -9,6 +9,8 @@
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
+#include <optional>
+#include <tuple>
 #include <vector>
 
 #include "strata/core/error.h"
@@ -625,6 +627,241 @@ TEST(Engine, MixedPrecisionUpdateReadsNoParameterBackAndWritesNoDeadGradient) {
   ASSERT_GT(spilled.params_on_nvme, 0u) << "the test must find parameter chunks on NVMe when the optimizer starts";
   EXPECT_EQ(spilled.param_read, 0u) << "a parameter chunk read back only for the update to overwrite it";
   EXPECT_LE(spilled.grad_written, spilled.grad_read) << "a gradient written to NVMe after its update";
+}
+
+// Note [Updates in backward]: without clipping, updating each chunk family
+// in backward gives the step's losses, norms and weights bit for bit, in
+// fp32 and bf16, with the model state spilling to NVMe. The first backward
+// only counts arrivals; from the second, every family is updated in it. Each
+// step still moves at least the least traffic with no global fact before
+// the updates, budgets hold, and gradients go to NVMe no more than when the
+// step updates them all after backward.
+TEST(Engine, UpdatesInBackwardEqualTheStepWithoutClipping) {
+  const std::filesystem::path dir = temp_path("engine-update-in-backward");
+  struct Run {
+    std::vector<double> losses, norms;
+    std::vector<int> early;
+    std::vector<torch::Tensor> params;
+    size_t families = 0;
+    uint64_t grad_written = 0;  // from the second step
+  };
+  for (DType precision : {DType::kFloat32, DType::kBFloat16}) {
+    const auto train = [&](bool in_backward) {
+      torch::nn::Sequential model = nine_layer_mlp(51);
+      int64_t params = 0;
+      for (const auto& p : model->parameters()) params += p.numel();
+      const auto state = static_cast<uint64_t>(params) * 16;
+      EngineOptions o;
+      o.budgets = {state / 16, state / 5, state * 2};
+      o.nvme_dir = dir.string();
+      o.chunk_elems = 1024;
+      o.precision = precision;
+      o.update_in_backward = in_backward;
+      auto engine = attach(*model, AdamWConfig{}, o);
+      const memory::StepState st = engine->step_state();
+      EXPECT_EQ(st.global_barrier, !in_backward);
+      const memory::TrafficBound bound = memory::least_step_traffic(st);
+      const auto nvme = static_cast<size_t>(memory::Tier::kNvme);
+      const auto grad = static_cast<size_t>(memory::ChunkRole::kGrad);
+      const auto moved = [&] {
+        const memory::MoveStats m = engine->move_stats();
+        uint64_t bytes = 0;
+        for (int t = 0; t < memory::kNumTiers; ++t) bytes += m.bytes[nvme][t] + m.bytes[t][nvme];
+        return bytes;
+      };
+      Run r;
+      r.families = engine->num_families();
+      torch::manual_seed(52);
+      for (int s = 0; s < 5; ++s) {
+        const torch::Tensor x = torch::randn({64, 32}), y = torch::randn({64, 64});
+        const uint64_t before = moved();
+        const uint64_t grad_before = engine->move_stats().nvme_written_by_role[grad];
+        const StepResult res = engine->train_step(
+            [&] { return torch::mse_loss(model->forward(engine->to_device(x)).to(torch::kFloat32), y); });
+        EXPECT_TRUE(res.stepped) << "step " << s;
+        EXPECT_GE(moved() - before, bound.one_step.total()) << dtype_name(precision) << " step " << s;
+        if (s > 0) r.grad_written += engine->move_stats().nvme_written_by_role[grad] - grad_before;
+        r.losses.push_back(res.loss);
+        r.norms.push_back(res.grad_norm);
+        r.early.push_back(res.updated_in_backward);
+      }
+      for (memory::Tier t : {memory::Tier::kDevice, memory::Tier::kHost, memory::Tier::kNvme}) {
+        EXPECT_LE(engine->tier_stats(t).peak, engine->tier_stats(t).budget) << memory::tier_name(t);
+      }
+      for (const auto& p : model->parameters()) r.params.push_back(p.detach().to(torch::kFloat32).clone());
+      engine.reset();
+      std::filesystem::remove_all(dir);
+      return r;
+    };
+    const Run after = train(false), in = train(true);
+    const char* name = dtype_name(precision);
+    EXPECT_EQ(in.losses, after.losses) << name;
+    EXPECT_EQ(in.norms, after.norms) << name;
+    ASSERT_EQ(in.params.size(), after.params.size());
+    for (size_t i = 0; i < in.params.size(); ++i) EXPECT_TRUE(torch::equal(in.params[i], after.params[i])) << name << " " << i;
+    EXPECT_EQ(in.early[0], 0) << name << ": the first backward only counts arrivals";
+    for (size_t s = 1; s < in.early.size(); ++s) {
+      EXPECT_EQ(in.early[s], static_cast<int>(in.families)) << name << " step " << s;
+    }
+    for (int e : after.early) EXPECT_EQ(e, 0) << name;
+    std::printf("%s: gradient bytes written to NVMe in steps 2-5: %llu updating in backward, %llu after it\n", name,
+                static_cast<unsigned long long>(in.grad_written), static_cast<unsigned long long>(after.grad_written));
+    EXPECT_LE(in.grad_written, after.grad_written) << name;
+  }
+}
+
+// With clipping, a family updated in backward is clipped by the norm as far
+// as backward knows it (Note [Updates in backward]). With the whole model in
+// one chunk family that is all of it: plain LibTorch's exact clipping,
+// every step clipping, from the second step in backward. With many
+// families and a norm that never binds, the coefficient is 1 either way:
+// the step's results bit for bit.
+TEST(Engine, UpdatesInBackwardClipByTheNormAsFarAsItIsKnown) {
+  torch::manual_seed(17);
+  auto reference = mlp();
+  auto model = mlp();
+  copy_params(*reference, *model);
+  AdamWConfig cfg;
+  cfg.lr = 1e-2f;
+  cfg.eps = 0.1f;  // Adam is blind to a gradient's scale when eps is small: this makes it see the coefficient
+  torch::optim::AdamW opt = reference_adamw(*reference, cfg);
+  int64_t params = 0;
+  for (const auto& p : model->parameters()) params += p.numel();
+  EngineOptions o;
+  o.budgets = {1 << 20, 1 << 20, 0};
+  o.chunk_elems = params;  // one family
+  o.clip_norm = 0.05;      // small enough to clip every step
+  o.update_in_backward = true;
+  auto engine = attach(*model, cfg, o);
+  ASSERT_EQ(engine->num_families(), 1u);
+  int early = 0;
+  for (int s = 0; s < 8; ++s) {
+    const torch::Tensor x = torch::randn({16, 32}), y = torch::randn({16, 8});
+    opt.zero_grad();
+    torch::Tensor ref_loss = torch::mse_loss(reference->forward(x), y);
+    ref_loss.backward();
+    const double norm = torch::nn::utils::clip_grad_norm_(reference->parameters(), o.clip_norm);
+    EXPECT_GT(norm, o.clip_norm) << "the test must clip";
+    opt.step();
+    const StepResult r = engine->train_step([&] { return torch::mse_loss(model->forward(x), y); });
+    ASSERT_TRUE(r.stepped);
+    EXPECT_LT(rel(r.loss, ref_loss.item<double>()), 1e-5) << "step " << s;
+    EXPECT_LT(rel(r.grad_norm, norm), 1e-4) << "step " << s;
+    EXPECT_EQ(r.updated_in_backward, s == 0 ? 0 : 1) << "step " << s;
+    early += r.updated_in_backward;
+  }
+  engine.reset();
+  expect_params_close(*reference, *model);
+
+  const auto train = [](bool in_backward) {
+    torch::nn::Sequential m = nine_layer_mlp(19);
+    EngineOptions o;
+    o.budgets = {64 << 10, 1 << 20, 0};
+    o.chunk_elems = 1024;
+    o.clip_norm = 1e6;  // never binds
+    o.update_in_backward = in_backward;
+    auto engine = attach(*m, AdamWConfig{}, o);
+    torch::manual_seed(20);
+    std::vector<double> losses;
+    int early = 0;
+    for (int s = 0; s < 4; ++s) {
+      const torch::Tensor x = torch::randn({16, 32}), y = torch::randn({16, 64});
+      const StepResult r = engine->train_step([&] { return torch::mse_loss(m->forward(x), y); });
+      losses.push_back(r.loss);
+      early += r.updated_in_backward;
+    }
+    std::vector<torch::Tensor> weights;
+    for (const auto& p : m->parameters()) weights.push_back(p.detach().clone());
+    engine.reset();
+    return std::make_tuple(losses, weights, early);
+  };
+  const auto [in_losses, in_weights, in_early] = train(true);
+  const auto [losses, weights, none] = train(false);
+  EXPECT_GT(in_early, 3) << "several families updated in backward";
+  EXPECT_EQ(none, 0);
+  EXPECT_EQ(in_losses, losses);
+  for (size_t i = 0; i < weights.size(); ++i) EXPECT_TRUE(torch::equal(in_weights[i], weights[i])) << i;
+}
+
+// A checkpoint keeps the previous norm the updates in backward estimate the
+// norm from: resumed, the run goes on as the uninterrupted one, loss for loss.
+TEST(Engine, UpdatesInBackwardResumeAsTheUninterruptedRun) {
+  const std::string dir = temp_path("engine-update-in-backward-ckpt");
+  std::vector<torch::Tensor> xs, ys;
+  torch::manual_seed(23);
+  for (int s = 0; s < 6; ++s) {
+    xs.push_back(torch::randn({16, 32}));
+    ys.push_back(torch::randn({16, 8}));
+  }
+  EngineOptions o;
+  o.budgets = {32 << 10, 1 << 20, 0};
+  o.chunk_elems = 1024;
+  o.clip_norm = 0.05;
+  o.update_in_backward = true;
+  std::vector<double> straight, resumed;
+  {
+    torch::manual_seed(24);
+    auto model = mlp();
+    auto engine = attach(*model, AdamWConfig{}, o);
+    for (int s = 0; s < 6; ++s) {
+      if (s == 3) engine->save(dir);
+      const StepResult r = engine->train_step([&] { return torch::mse_loss(model->forward(xs[s]), ys[s]); });
+      if (s >= 3) straight.push_back(r.loss);
+    }
+  }
+  {
+    torch::manual_seed(25);  // other initial weights: the checkpoint replaces them
+    auto model = mlp();
+    auto engine = attach(*model, AdamWConfig{}, o);
+    engine->load(dir);
+    for (int s = 3; s < 6; ++s) {
+      resumed.push_back(engine->train_step([&] { return torch::mse_loss(model->forward(xs[s]), ys[s]); }).loss);
+    }
+  }
+  std::filesystem::remove_all(dir);
+  EXPECT_EQ(resumed, straight);
+}
+
+// A gradient that arrives after its family was updated in backward (here a
+// second backward pass the step before did not have) is an error naming the
+// option; the same passes every step update in backward and train as the step.
+TEST(Engine, AGradientAfterItsFamilyWasUpdatedInBackwardIsAnError) {
+  const auto run = [](bool in_backward, const std::vector<int>& passes_per_step, std::vector<double>* losses) {
+    torch::manual_seed(29);
+    auto model = mlp();
+    EngineOptions o;
+    o.budgets = {32 << 10, 1 << 20, 0};
+    o.chunk_elems = 1024;
+    o.update_in_backward = in_backward;
+    auto engine = attach(*model, AdamWConfig{}, o);
+    torch::manual_seed(30);
+    for (int n : passes_per_step) {
+      const torch::Tensor x = torch::randn({16, 32}), y = torch::randn({16, 8});
+      const StepResult r = engine->train_step_passes([&](double) {
+        engine->final_backward();
+        double loss = 0;
+        for (int k = 0; k < n; ++k) {
+          torch::Tensor l = torch::mse_loss(model->forward(x * (k + 1)), y);
+          l.backward();
+          loss += l.item<double>();
+        }
+        return loss;
+      });
+      if (losses != nullptr) losses->push_back(r.loss);
+    }
+  };
+  std::vector<double> in, after;
+  run(true, {2, 2, 2, 2}, &in);
+  run(false, {2, 2, 2, 2}, &after);
+  EXPECT_EQ(in, after) << "two arrivals a step, learnt and waited for";
+  std::string message = "no error";
+  try {  // thrown in an autograd hook: LibTorch may hand it on as its own type
+    run(true, {1, 2}, nullptr);
+  } catch (const std::exception& e) {
+    message = e.what();
+  }
+  EXPECT_NE(message.find("after update_in_backward had updated its chunk family"), std::string::npos) << message;
+  EXPECT_NE(message.find("set update_in_backward false"), std::string::npos) << message;
 }
 
 // Note [Staging the next operators' chunks from NVMe]: parameters that went

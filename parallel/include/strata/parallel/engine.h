@@ -51,6 +51,9 @@ struct StepResult {
   bool overflow = false;    // gradients held inf/nan: the step was skipped
   double grad_norm = 0.0;   // unscaled, before clipping, on accumulation boundaries
   double loss_scale = 1.0;  // the scale used for this micro-step's backward
+  /// Chunk families the backward updated (EngineOptions::update_in_backward;
+  /// Note [Updates in backward]); the step updated the others.
+  int updated_in_backward = 0;
 };
 
 class Communicator;

@@ -41,6 +41,19 @@ struct EngineOptions {
   int64_t chunk_elems = 0;     // 0: least padding, at most a quarter of the device budget (ChunkManager)
   double clip_norm = 0.0;      // 0: no clipping
   int grad_accumulation = 1;   // micro-steps per optimizer step; gradients are averaged
+  /// Note [Updates in backward]: each chunk family is updated in the
+  /// backward that ends an accumulation, as soon as its gradients are
+  /// final, and its gradients are dropped then, so the optimizer's reads and
+  /// writes overlap backward instead of following it. Exact (the same
+  /// results as false) without clipping; with clip_norm, relaxed: a family
+  /// is clipped by the norm as far as backward knows it (the families done,
+  /// the rest at the previous step's norm), which needs the whole model on
+  /// one rank. Needs one data-parallel rank, and fp32 or bf16 (fp16's
+  /// overflow check must see every gradient before any update). Families
+  /// whose parameters are used differently from the step before, and those
+  /// updated on the device, are updated at the step as usual
+  /// (STRATA_UPDATE_IN_BACKWARD).
+  bool update_in_backward = false;
   /// Fraction of chunk families whose optimizer state (master, exp_avg,
   /// exp_avg_sq) lives on NVMe between steps (static placement). -1: auto, the
   /// families whose state does not fit in half the host budget. Needs an nvme tier.
@@ -113,7 +126,7 @@ struct EngineOptions {
   /// `base` with every option the environment sets replaced:
   /// STRATA_DEVICE_BUDGET, STRATA_HOST_BUDGET, STRATA_NVME_BUDGET (sizes such
   /// as "512MiB"), STRATA_NVME_DIR, STRATA_PRECISION (fp32|bf16|fp16),
-  /// STRATA_CHUNK_ELEMS, STRATA_CLIP_NORM, STRATA_GRAD_ACCUMULATION,
+  /// STRATA_CHUNK_ELEMS, STRATA_CLIP_NORM, STRATA_UPDATE_IN_BACKWARD (0 or 1), STRATA_GRAD_ACCUMULATION,
   /// STRATA_NVME_OPTIM_FRACTION, STRATA_DEVICE_OPTIM_FRACTION, STRATA_LOSS_SCALE (initial scale),
   /// STRATA_TRACE (trace path), STRATA_TRACE_STEPS, STRATA_POLICY,
   /// STRATA_STATIC_PARAM_FRACTION, STRATA_PREFETCH (0 or 1),
