@@ -179,7 +179,7 @@ void Engine::Impl::begin_final_backward() {
   const bool track = boundary_ && reducer == nullptr;
   pipeline->track_gradients(track);
   // Note [Updates in backward]: not when the user's hook before the step may change the gradients.
-  if (track) pipeline->begin_backward(ctx.options.update_in_backward && !has_before_step_);
+  if (track && ctx.options.update_in_backward) pipeline->begin_backward(!has_before_step_);
   sink->track(track);
 }
 

@@ -124,6 +124,8 @@ void StepPipeline::begin_backward(bool fuse) {
   counting_ = true;
   arrivals_.assign(ctx_.params.size(), 0);
   first_arrivals_.assign(n, 0);
+  trainable_.assign(n, 0);
+  for (const ManagedParam& p : ctx_.params) trainable_[ctx_.family_pos.at(p.family)] += p.accumulator != nullptr ? 1 : 0;
   updated_early_.assign(n, false);
   order_.clear();
   fusing_ = fuse && expected_.size() == ctx_.params.size() &&
@@ -160,13 +162,7 @@ void StepPipeline::gradient_settled(size_t index) {
                "updated its chunk family with the gradients before it; the model uses this parameter differently "
                "from step to step, which updates in backward cannot follow. The step is abandoned, but that family "
                "keeps the update; set update_in_backward false and resume from a checkpoint");
-  if (n == 1) {
-    int trainable = 0;
-    for (size_t i : ctx_.params_of_chunk.at(ctx_.mgr->family(p.family).param)) {
-      trainable += ctx_.params[i].accumulator != nullptr ? 1 : 0;
-    }
-    if (++first_arrivals_[pos] == trainable) order_.push_back(pos);
-  }
+  if (n == 1 && ++first_arrivals_[pos] == trainable_[pos]) order_.push_back(pos);
   if (!fusing_) return;
   constexpr int kNever = std::numeric_limits<int>::max() / 2;
   if (unsettled_[pos] >= kNever) return;

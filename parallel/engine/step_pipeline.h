@@ -242,6 +242,7 @@ class StepPipeline {
   std::vector<int> arrivals_;   // by parameter index: this backward's arrivals
   std::vector<int> expected_;   // by parameter index: the last counted backward's; empty: none yet
   std::vector<int> first_arrivals_;  // by family position: trainable parameters arrived at least once
+  std::vector<int> trainable_;       // by family position: its trainable parameters
   std::vector<int> unsettled_;  // by family position: parameters short of their expected arrivals
   std::vector<bool> updated_early_;   // by family position
   std::vector<size_t> order_;       // family positions in the order they became complete, this backward
