@@ -55,10 +55,10 @@ Engine::Impl::Impl(torch::nn::Module& module, OptimizerConfig optimizer, EngineO
   ctx.compute = scalar_type_of(options.precision);
   ctx.stage = ctx.data_parallel() ? options.zero_stage : 0;
   ctx.rank = ctx.comm ? ctx.comm->rank() : 0;
-  STRATA_CHECK(!options.update_in_backward || !ctx.data_parallel(), "update_in_backward needs one data-parallel rank: "
-               "with ", ctx.world(), " a gradient is final only after its reduction over the ranks, after backward; "
-               "set update_in_backward false, or train on one data-parallel rank (tensor and pipeline parallelism "
-               "are fine)");
+  STRATA_CHECK(!options.update_in_backward || !ctx.data_parallel(), "update_in_backward needs the gradients unreduced: "
+               "here they are reduced over ", ctx.world(), " ranks (data parallelism, or sequence parallelism, whose "
+               "ranks sum their gradients too), and a gradient is final only after its reduction, after backward; "
+               "set update_in_backward false, or train with dp 1 and sp 1 (tensor and pipeline parallelism are fine)");
   STRATA_CHECK(!options.update_in_backward || options.clip_norm == 0 || options.pipeline_group == nullptr,
                "update_in_backward with clip_norm needs the whole model on one rank: a pipeline stage cannot know "
                "the other stages' part of the gradient norm while it runs backward; set clip_norm 0 (the updates "

@@ -16,6 +16,7 @@
 #include "strata/core/error.h"
 #include "strata/memory/trace.h"
 #include "strata/memory/traffic_bound.h"
+#include "../error_of.h"
 #include "test_util.h"
 
 namespace strata::parallel {
@@ -1196,6 +1197,23 @@ TEST(EngineOptions, FromEnvironment) {
                         "STRATA_CLIP_NORM", "STRATA_NVME_BUDGET"}) {
     ::unsetenv(v);
   }
+}
+
+// Note [Updates in backward]: the switch from the environment, and fp16
+// refused before anything is built, naming what to change.
+TEST(EngineOptions, UpdatesInBackwardFromTheEnvironmentAndRefusedWithFp16) {
+  EngineOptions base;
+  base.budgets = {1 << 20, 1 << 20, 0};
+  ::setenv("STRATA_UPDATE_IN_BACKWARD", "1", 1);
+  EngineOptions o = EngineOptions::from_env(base);
+  EXPECT_TRUE(o.update_in_backward);
+  ::setenv("STRATA_UPDATE_IN_BACKWARD", "yes", 1);
+  EXPECT_NE(error_of([&] { EngineOptions::from_env(base); }).find("STRATA_UPDATE_IN_BACKWARD"), std::string::npos);
+  ::unsetenv("STRATA_UPDATE_IN_BACKWARD");
+  o.precision = DType::kFloat16;
+  const std::string fp16 = error_of([&] { o.validate(); });
+  EXPECT_NE(fp16.find("update_in_backward cannot run with fp16"), std::string::npos) << fp16;
+  EXPECT_NE(fp16.find("use bf16"), std::string::npos) << fp16;
 }
 
 }  // namespace

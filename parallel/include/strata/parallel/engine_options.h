@@ -48,7 +48,7 @@ struct EngineOptions {
   /// results as false) without clipping; with clip_norm, relaxed: a family
   /// is clipped by the norm as far as backward knows it (the families done,
   /// the rest at the previous step's norm), which needs the whole model on
-  /// one rank. Needs one data-parallel rank, and fp32 or bf16 (fp16's
+  /// one rank. Needs gradients no rank reduces (dp 1, sp 1), and fp32 or bf16 (fp16's
   /// overflow check must see every gradient before any update). Families
   /// whose parameters are used differently from the step before, and those
   /// updated on the device, are updated at the step as usual
