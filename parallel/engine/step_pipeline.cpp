@@ -678,6 +678,8 @@ bool StepPipeline::step(double& grad_norm) {
   EngineContext::settle(ahead);
   EngineContext::settle(early_);  // started before backward; the accesses above waited for them (counted) or retried them
   for (auto& t : behind) offload::CopyEngine::wait(t);  // a failed write-back is the step's error
+  STRATA_LOG(kDebug, "optimizer step {}: {} of {} chunk families updated in backward, the rest after it",
+             optimizer_steps_ + 1, updated_in_backward(), families.size());
   end_backward();
   previous_norm_ = grad_norm;
   sink_.zero();

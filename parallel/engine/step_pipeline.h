@@ -96,7 +96,10 @@ class StepGathers;
 // more often now, waits for the step, as do the families updated on the
 // device; a gradient that arrives after its family was updated is an error
 // naming the parameter (the model uses its parameters differently from
-// step to step: set the option false). The first backward only counts.
+// step to step: set the option false). The first backward only counts. A
+// parameter some block reads without a gradient (detached) arrives for its
+// other uses only: were that block recomputed later in the backward, it
+// would read the updated value, so such models need the option off.
 // The step's global facts come from the statistics of each family's final
 // gradients (Note [Gradient statistics as families complete]): the norm is
 // the step's own, taken before each update, so grad_norm and the skip of
