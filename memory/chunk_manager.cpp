@@ -565,10 +565,10 @@ void ChunkManager::account(Tier tier, int64_t bytes, int64_t chunks) {
   s.peak = std::max(s.peak, s.used);
 }
 
-void ChunkManager::demote(ChunkId id) {
+void ChunkManager::demote(ChunkId id, Demotion order) {
   std::lock_guard<std::mutex> lock(mu_);
   const Chunk& c = chunk_locked(id);
-  if (c.location_ && *c.location_ != Tier::kNvme) policy_->on_demote(id, *c.location_);
+  if (c.location_ && *c.location_ != Tier::kNvme) policy_->on_demote(id, *c.location_, order);
 }
 
 void ChunkManager::release(ChunkId id) {

@@ -32,7 +32,9 @@ void LruPolicy::on_access(ChunkId chunk, Tier) { last_access_[chunk] = ++clock_;
 
 void LruPolicy::on_leave(ChunkId, Tier) {}
 
-void LruPolicy::on_demote(ChunkId chunk, Tier) { last_access_[chunk] = --demoted_; }
+void LruPolicy::on_demote(ChunkId chunk, Tier, Demotion order) {
+  last_access_[chunk] = order == Demotion::kLastFirst ? --demoted_ : INT64_MIN / 2 + ++in_order_;
+}
 
 ChunkId LruPolicy::choose_victim(Tier, const std::vector<ChunkId>& candidates) {
   STRATA_ASSERT(!candidates.empty(), "eviction policy asked to choose among no candidates");

@@ -217,7 +217,7 @@ bool StepPipeline::update_early(size_t pos) {
     const double estimate = std::sqrt(done_sq_ * unit * unit + *previous_norm_ * *previous_norm_ * std::max(0.0, pending));
     grad_scale = static_cast<float>(multiplier(estimate));
   }
-  update_family(pos, Tier::kHost, grad_scale, early_lrs_, read_next, ctx_.wait.optimizer);
+  update_family(pos, Tier::kHost, grad_scale, early_lrs_, read_next, ctx_.wait.optimizer, /*in_backward=*/true);
   updated_early_[pos] = true;
   if (optim_on_nvme_[pos]) {
     for (ChunkId c : ctx_.optim_members(f)) early_behind_.push_back(mgr.prefetch(c, Tier::kNvme));
@@ -351,7 +351,7 @@ double StepPipeline::current_lr(size_t group) const {
 // Pins family `index` on `tier`, calls `pinned_hook` (the read-ahead of the
 // next family, which must not evict this one), then updates it.
 void StepPipeline::update_family(size_t index, Tier tier, float grad_scale, const std::vector<float>& lrs,
-                                 const std::function<void()>& pinned_hook, double& waited) {
+                                 const std::function<void()>& pinned_hook, double& waited, bool in_backward) {
   const memory::FamilyId f = ctx_.families[index];
   const memory::ChunkFamily& fam = ctx_.mgr->family(f);
   // On a GPU the device's memory is not the host's: the CUDA kernels run there.
@@ -387,7 +387,11 @@ void StepPipeline::update_family(size_t index, Tier tier, float grad_scale, cons
   // Note [Gradients die with their update]
   ctx_.mgr->release(fam.grad);
   if (fam.grad_shard) ctx_.mgr->release(*fam.grad_shard);
-  if (tier == Tier::kHost) ctx_.mgr->demote(ctx_.step_param(f));  // Note [Updated parameters leave first]
+  // Note [Updated parameters leave first]: the next forward needs them in family order; updated in
+  // backward (Note [Updates in backward]), the families come in the reverse order, so the first updated leave first.
+  if (tier == Tier::kHost) {
+    ctx_.mgr->demote(ctx_.step_param(f), in_backward ? memory::Demotion::kFirstFirst : memory::Demotion::kLastFirst);
+  }
 }
 
 // Note [Parameters the update overwrites]

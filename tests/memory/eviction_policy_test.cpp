@@ -27,8 +27,8 @@ TEST(LruPolicy, EvictsLeastRecentlyUsedAmongCandidates) {
 TEST(LruPolicy, DemotedChunksLeaveFirstTheLastDemotedFirst) {
   LruPolicy lru;
   for (ChunkId c : {1, 2, 3, 4}) lru.on_access(c, Tier::kHost);
-  lru.on_demote(3, Tier::kHost);
-  lru.on_demote(2, Tier::kHost);
+  lru.on_demote(3, Tier::kHost, Demotion::kLastFirst);
+  lru.on_demote(2, Tier::kHost, Demotion::kLastFirst);
   EXPECT_EQ(lru.choose_victim(Tier::kHost, {1, 2, 3, 4, 9}), 2) << "before a never-accessed chunk too";
   EXPECT_EQ(lru.choose_victim(Tier::kHost, {1, 3, 4}), 3);
   EXPECT_EQ(lru.choose_victim(Tier::kHost, {1, 4}), 1) << "then least recently used";
@@ -37,8 +37,24 @@ TEST(LruPolicy, DemotedChunksLeaveFirstTheLastDemotedFirst) {
   EXPECT_EQ(lru.choose_victim(Tier::kHost, {1, 2, 4}), 1);
   StaticPolicy held;
   for (ChunkId c : {1, 2}) held.on_access(c, Tier::kHost);
-  held.on_demote(2, Tier::kHost);
+  held.on_demote(2, Tier::kHost, Demotion::kLastFirst);
   EXPECT_EQ(held.choose_victim(Tier::kHost, {1, 2}), 2) << "the static policy's LRU order takes it too";
+}
+
+// Demoted kFirstFirst (the updates in backward, whose next forward needs the
+// last updated first): the first demoted leaves first, before any chunk
+// demoted kLastFirst or accessed.
+TEST(LruPolicy, ChunksDemotedFirstFirstLeaveInTheOrderDemoted) {
+  LruPolicy lru;
+  for (ChunkId c : {1, 2, 3, 4, 5}) lru.on_access(c, Tier::kHost);
+  lru.on_demote(4, Tier::kHost, Demotion::kLastFirst);
+  lru.on_demote(3, Tier::kHost, Demotion::kFirstFirst);
+  lru.on_demote(2, Tier::kHost, Demotion::kFirstFirst);
+  EXPECT_EQ(lru.choose_victim(Tier::kHost, {1, 2, 3, 4, 5, 9}), 3);
+  EXPECT_EQ(lru.choose_victim(Tier::kHost, {1, 2, 4, 5, 9}), 2);
+  EXPECT_EQ(lru.choose_victim(Tier::kHost, {1, 4, 5, 9}), 4);
+  EXPECT_EQ(lru.choose_victim(Tier::kHost, {1, 5, 9}), 9) << "then never accessed";
+  EXPECT_EQ(lru.choose_victim(Tier::kHost, {1, 5}), 1) << "then least recently used";
 }
 
 }  // namespace

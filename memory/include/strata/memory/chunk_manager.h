@@ -159,8 +159,8 @@ class ChunkManager {
   void release(ChunkId id);
   /// Tells the policy the chunk will not be used before every chunk used
   /// after this call: where it is resident, it becomes the first to leave
-  /// its tier, the last demoted first (EvictionPolicy::on_demote).
-  void demote(ChunkId id);
+  /// its tier, among the demoted ones as `order` says (EvictionPolicy::on_demote).
+  void demote(ChunkId id, Demotion order = Demotion::kLastFirst);
   /// Moves one tensor of the chunk through the state machine (tensor_state.h).
   /// Entering COMPUTE needs the payload on device or host, and pins it there.
   void transition(ChunkId id, size_t slot, TensorState to);

@@ -24,6 +24,12 @@ namespace strata::memory {
 
 using ChunkId = int32_t;
 
+/// Which demoted chunk leaves its tier first (ChunkManager::demote).
+enum class Demotion {
+  kLastFirst,   // the last demoted: they are needed again in the order they were demoted
+  kFirstFirst,  // the first demoted: needed again in the reverse order
+};
+
 class EvictionPolicy {
  public:
   virtual ~EvictionPolicy() = default;
@@ -36,27 +42,29 @@ class EvictionPolicy {
   /// Picks the chunk to evict from `tier` among `candidates` (never empty).
   virtual ChunkId choose_victim(Tier tier, const std::vector<ChunkId>& candidates) = 0;
   /// The chunk, on `tier`, will not be used before every chunk used since
-  /// it was demoted: order it first to leave, the last demoted first
-  /// (ChunkManager::demote). Policies that know the future ignore it.
-  virtual void on_demote(ChunkId chunk, Tier tier) {
-    (void)chunk, (void)tier;
+  /// it was demoted: order it first to leave, among the demoted chunks as
+  /// `order` says (ChunkManager::demote). Policies that know the future ignore it.
+  virtual void on_demote(ChunkId chunk, Tier tier, Demotion order) {
+    (void)chunk, (void)tier, (void)order;
   }
 };
 
 /// Least recently used: evicts the candidate whose last access is oldest
 /// (ties: the lower chunk id, so runs are reproducible). Demoted chunks are
-/// older than any access, the last demoted oldest.
+/// older than any access: those demoted kFirstFirst oldest, the first
+/// demoted oldest, then those demoted kLastFirst, the last demoted oldest.
 class LruPolicy final : public EvictionPolicy {
  public:
   const char* name() const noexcept override { return "lru"; }
   void on_access(ChunkId chunk, Tier tier) override;
   void on_leave(ChunkId chunk, Tier tier) override;
   ChunkId choose_victim(Tier tier, const std::vector<ChunkId>& candidates) override;
-  void on_demote(ChunkId chunk, Tier tier) override;
+  void on_demote(ChunkId chunk, Tier tier, Demotion order) override;
 
  private:
-  int64_t clock_ = 0;  // accesses count up from 1, demotions down from -1
+  int64_t clock_ = 0;  // accesses count up from 1, kLastFirst demotions down from -1
   int64_t demoted_ = 0;
+  int64_t in_order_ = 0;  // kFirstFirst demotions count up from INT64_MIN / 2
   std::unordered_map<ChunkId, int64_t> last_access_;
 };
 
@@ -83,7 +91,7 @@ class TracePolicy final : public EvictionPolicy {
   void on_leave(ChunkId chunk, Tier tier) override;
   ChunkId choose_victim(Tier tier, const std::vector<ChunkId>& candidates) override;
   /// For the LRU order it falls back to; the plan's next uses take precedence.
-  void on_demote(ChunkId chunk, Tier tier) override { lru_.on_demote(chunk, tier); }
+  void on_demote(ChunkId chunk, Tier tier, Demotion order) override { lru_.on_demote(chunk, tier, order); }
 
   /// `ops[k]` are the chunks operator k of a step uses.
   void set_plan(std::vector<std::vector<ChunkId>> ops);
@@ -124,7 +132,7 @@ class StaticPolicy final : public EvictionPolicy {
   void on_access(ChunkId chunk, Tier tier) override { lru_.on_access(chunk, tier); }
   void on_leave(ChunkId chunk, Tier tier) override { lru_.on_leave(chunk, tier); }
   ChunkId choose_victim(Tier tier, const std::vector<ChunkId>& candidates) override;
-  void on_demote(ChunkId chunk, Tier tier) override { lru_.on_demote(chunk, tier); }
+  void on_demote(ChunkId chunk, Tier tier, Demotion order) override { lru_.on_demote(chunk, tier, order); }
 
   void set_held(std::unordered_set<ChunkId> held);
   bool held(ChunkId chunk) const;
