@@ -23,6 +23,18 @@ StepPipeline::StepPipeline(EngineContext& ctx, GradSink& sink, StepGathers* gath
   scale_ = ctx.options.precision == DType::kFloat16 ? ctx.options.loss_scale.initial : 1.0;
 }
 
+StepPipeline::~StepPipeline() {
+  drain_updates();
+  {
+    std::lock_guard<std::mutex> lock(queue_mu_);
+    stop_ = true;
+  }
+  queue_cv_.notify_all();
+  if (updater_.joinable()) updater_.join();
+  EngineContext::settle(early_ahead_);
+  for (auto& t : early_behind_) t.wait();
+}
+
 void StepPipeline::restore_scaler(double scale, int clean_steps, int64_t skipped) {
   scale_ = ctx_.options.precision == DType::kFloat16 ? scale : 1.0;
   clean_steps_ = clean_steps;
@@ -192,20 +204,6 @@ bool StepPipeline::update_early(size_t pos) {
     ctx_.unpin(gc, slots);
   }
   if (!early_stats_[pos]->finite) return false;  // the step skips; nothing is updated here
-  // The family that became complete after this one in the backward before: its state, read while this one updates.
-  const auto next = std::find(last_order_.begin(), last_order_.end(), pos);
-  const auto read_next = [&] {
-    if (!ctx_.options.prefetch || next == last_order_.end()) return;
-    for (auto it = std::next(next); it != last_order_.end(); ++it) {
-      if (updated_early_[*it]) continue;
-      std::vector<ChunkId> state = ctx_.optim_members(ctx_.families[*it]);
-      for (ChunkId c : state) {
-        if (mgr.chunk(c).resident_on(Tier::kHost)) mgr.access(c, Tier::kHost);  // most recently used: not a victim
-      }
-      ctx_.read_ahead(state, early_ahead_, /*only_into_free=*/false);
-      return;
-    }
-  };
   float grad_scale = early_multiplier_;
   if (ctx_.options.clip_norm > 0) {  // Note [Updates in backward]: the norm as far as it is known
     done_sq_ += early_stats_[pos]->sum_sq;
@@ -217,15 +215,92 @@ bool StepPipeline::update_early(size_t pos) {
     const double estimate = std::sqrt(done_sq_ * unit * unit + *previous_norm_ * *previous_norm_ * std::max(0.0, pending));
     grad_scale = static_cast<float>(multiplier(estimate));
   }
-  update_family(pos, Tier::kHost, grad_scale, early_lrs_, read_next, ctx_.wait.optimizer, /*in_backward=*/true);
   updated_early_[pos] = true;
-  if (optim_on_nvme_[pos]) {
+  {
+    std::unique_lock<std::mutex> lock(queue_mu_);
+    if (!updater_.joinable()) {
+      updater_ = std::thread([this] { run_updates(); });
+      updater_id_ = updater_.get_id();
+    }
+    // One family waiting beside the one updating: backward does not run further ahead, so the
+    // gradients waiting for their update (on host, where the sink wrote them) stay few.
+    queue_cv_.wait(lock, [&] { return queue_.empty(); });
+    queue_.push_back({pos, grad_scale});
+  }
+  queue_cv_.notify_all();
+  return true;
+}
+
+void StepPipeline::run_updates() {
+  for (;;) {
+    EarlyUpdate u{};
+    {
+      std::unique_lock<std::mutex> lock(queue_mu_);
+      queue_cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stopping, and everything given ran
+      u = queue_.front();
+      queue_.pop_front();
+      ++running_;
+    }
+    bool done = true;
+    try {
+      update_one(u);
+    } catch (const std::exception& e) {
+      // The pins failed before the kernel ran: the family is as it was, and the step updates it.
+      STRATA_LOG(kDebug, "chunk family {} could not be updated in backward ({}); the step updates it", u.pos, e.what());
+      done = false;
+    }
+    {
+      std::lock_guard<std::mutex> lock(queue_mu_);
+      if (!done) returned_.push_back(u.pos);
+      --running_;
+      ++finished_;
+    }
+    queue_cv_.notify_all();
+  }
+}
+
+void StepPipeline::update_one(const EarlyUpdate& u) {
+  memory::ChunkManager& mgr = *ctx_.mgr;
+  const memory::FamilyId f = ctx_.families[u.pos];
+  // The family that became final after this one in the backward before: its state, read while this one updates.
+  const auto read_next = [&] {
+    const auto at = std::find(last_order_.begin(), last_order_.end(), u.pos);
+    if (!ctx_.options.prefetch || at == last_order_.end() || std::next(at) == last_order_.end()) return;
+    const std::vector<ChunkId> state = ctx_.optim_members(ctx_.families[*std::next(at)]);
+    for (ChunkId c : state) {
+      if (mgr.chunk(c).resident_on(Tier::kHost)) mgr.access(c, Tier::kHost);  // most recently used: not a victim
+    }
+    ctx_.read_ahead(state, early_ahead_, /*only_into_free=*/false);
+  };
+  update_family(u.pos, Tier::kHost, u.grad_scale, early_lrs_, read_next, updater_waited_, /*in_backward=*/true);
+  if (optim_on_nvme_[u.pos]) {
     for (ChunkId c : ctx_.optim_members(f)) early_behind_.push_back(mgr.prefetch(c, Tier::kNvme));
   }
+}
+
+void StepPipeline::drain_updates() noexcept {
+  std::unique_lock<std::mutex> lock(queue_mu_);
+  queue_cv_.wait(lock, [&] { return queue_.empty() && running_ == 0; });
+  ctx_.wait.optimizer += updater_waited_;
+  updater_waited_ = 0.0;
+  for (size_t pos : returned_) {
+    if (pos < updated_early_.size()) updated_early_[pos] = false;
+  }
+  returned_.clear();
+}
+
+bool StepPipeline::wait_for_an_update() {
+  if (std::this_thread::get_id() == updater_id_) return false;
+  std::unique_lock<std::mutex> lock(queue_mu_);
+  if (queue_.empty() && running_ == 0) return false;
+  const uint64_t before = finished_;
+  queue_cv_.wait(lock, [&] { return finished_ != before || (queue_.empty() && running_ == 0); });
   return true;
 }
 
 void StepPipeline::end_backward() {
+  drain_updates();
   std::lock_guard<std::mutex> lock(fuse_mu_);
   if (counting_) {
     expected_ = arrivals_;
@@ -240,6 +315,7 @@ void StepPipeline::end_backward() {
 }
 
 void StepPipeline::abandon_backward() noexcept {
+  drain_updates();
   std::lock_guard<std::mutex> lock(fuse_mu_);
   counting_ = false;
   fusing_ = false;
@@ -616,6 +692,7 @@ void StepPipeline::update_split(float grad_scale, const std::vector<float>& lrs,
 }
 
 bool StepPipeline::step(double& grad_norm) {
+  drain_updates();  // Note [Updates in backward]: what backward handed over is done, or the step's
   const EngineOptions& options = ctx_.options;
   const double average = 1.0 / (options.grad_accumulation * ctx_.world());
   const kernels::GradStats total = grad_stats();

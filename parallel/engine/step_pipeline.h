@@ -7,7 +7,10 @@
 // kernel of the configured optimizer with its group's hyper-parameters.
 
 #include <algorithm>
+#include <condition_variable>
+#include <deque>
 #include <mutex>
+#include <thread>
 #include <optional>
 #include <vector>
 
@@ -100,7 +103,15 @@ class StepGathers;
 // more often now, waits for the step, as do the families updated on the
 // device; a gradient that arrives after its family was updated is an error
 // naming the parameter (the model uses its parameters differently from
-// step to step: set the option false). The first backward only counts. A
+// step to step: set the option false). The first backward only counts. The
+// updates run on a thread of their own, in the order families became
+// final, so Adam's pass over a family takes the other core while backward
+// goes on (the multiplier each gets is fixed when it is handed over, so the
+// results do not depend on timing). Backward hands over a family only when
+// none is waiting, so at most two families' gradients wait on host for
+// their update; a pin that finds no room while that
+// thread holds a family pinned waits for it, and a family the thread cannot
+// get its chunks for is left to the step, unchanged. A
 // parameter some block reads without a gradient (detached) arrives for its
 // other uses only: were that block recomputed later in the backward, it
 // would read the updated value, so such models need the option off.
@@ -133,6 +144,9 @@ class StepPipeline {
   /// `sink` drops the gradients after a step; `gathers` (ZeRO stages 1-2,
   /// else null) all-gathers each family's updated parameter chunk.
   StepPipeline(EngineContext& ctx, GradSink& sink, StepGathers* gathers);
+  ~StepPipeline();
+  StepPipeline(const StepPipeline&) = delete;
+  StepPipeline& operator=(const StepPipeline&) = delete;
 
   /// Decides, once the families exist, which keep their optimizer state on NVMe.
   void place_optimizer_state();
@@ -162,6 +176,11 @@ class StepPipeline {
   /// After a failed train_step: stops counting, waits for what the updates
   /// in backward started. Never throws.
   void abandon_backward() noexcept;
+  /// EngineContext::make_room while updating in backward: a pin that found
+  /// no room waits for the update in flight on the updater thread, which
+  /// holds chunks pinned, and retries (true); false on that thread itself,
+  /// or when no update is in flight.
+  bool wait_for_an_update();
   /// The last applied step's global gradient norm, from which the next
   /// step's updates in backward estimate theirs; none before the first.
   std::optional<double> previous_grad_norm() const { return previous_norm_; }
@@ -222,9 +241,21 @@ class StepPipeline {
   /// and ranks, the loss scale undone, and with clipping the coefficient of
   /// `norm`.
   double multiplier(double norm) const;
-  /// Note [Updates in backward]: updates family `pos` now; false when its
-  /// gradients are not finite (the step decides). Holds fuse_mu_.
+  /// Note [Updates in backward]: hands family `pos` to the updater thread
+  /// with the multiplier it is updated by; false when its gradients are not
+  /// finite (the step decides). Holds fuse_mu_.
   bool update_early(size_t pos);
+  struct EarlyUpdate {
+    size_t pos;
+    float grad_scale;
+  };
+  /// The updater thread's loop, and one update on it.
+  void run_updates();
+  void update_one(const EarlyUpdate& u);
+  /// Waits until the updater thread has done all it was given; families it
+  /// could not update (no room, a read that failed: nothing of them
+  /// changed) are left to the step.
+  void drain_updates() noexcept;
   bool updated_early(size_t pos) const { return pos < updated_early_.size() && updated_early_[pos]; }
   /// Ends what begin_backward started, at the step.
   void end_backward();
@@ -258,8 +289,19 @@ class StepPipeline {
   double done_sq_ = 0.0;           // with clipping: the gradients' sum of squares of the families updated
   int64_t done_elems_ = 0, trainable_elems_ = 0;  // and their elements, of all trainable ones
   std::vector<float> early_lrs_;
-  std::vector<offload::CopyTicket> early_ahead_, early_behind_;
+  std::vector<offload::CopyTicket> early_ahead_, early_behind_;  // the updater thread's
   std::optional<double> previous_norm_;
+  // The updater thread (started with the first update in backward) and what it is given.
+  std::thread updater_;
+  std::thread::id updater_id_;
+  std::mutex queue_mu_;
+  std::condition_variable queue_cv_;
+  std::deque<EarlyUpdate> queue_;
+  size_t running_ = 0;       // taken from the queue, not done
+  uint64_t finished_ = 0;    // updates done or given up, ever
+  bool stop_ = false;
+  std::vector<size_t> returned_;  // families the updater could not update: the step's
+  double updater_waited_ = 0.0;
 };
 
 }  // namespace strata::parallel

@@ -636,7 +636,9 @@ TEST(Engine, MixedPrecisionUpdateReadsNoParameterBackAndWritesNoDeadGradient) {
 // only counts arrivals; from the second, every family is updated in it. Each
 // step still moves at least the least traffic with no global fact before
 // the updates, budgets hold, and gradients go to NVMe no more than when the
-// step updates them all after backward.
+// step updates them all after backward (with the host at a quarter of the
+// state: none here, at most 114688 of the step's 393216 bytes in fp32 with
+// two busy loops on the two cores, the updater thread lagging).
 TEST(Engine, UpdatesInBackwardEqualTheStepWithoutClipping) {
   const std::filesystem::path dir = temp_path("engine-update-in-backward");
   struct Run {
@@ -653,7 +655,7 @@ TEST(Engine, UpdatesInBackwardEqualTheStepWithoutClipping) {
       for (const auto& p : model->parameters()) params += p.numel();
       const auto state = static_cast<uint64_t>(params) * 16;
       EngineOptions o;
-      o.budgets = {state / 16, state / 5, state * 2};
+      o.budgets = {state / 16, state / 4, state * 2};
       o.nvme_dir = dir.string();
       o.chunk_elems = 1024;
       o.precision = precision;
