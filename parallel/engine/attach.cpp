@@ -154,9 +154,11 @@ Engine::Impl::Impl(torch::nn::Module& module, OptimizerConfig optimizer, EngineO
   if (ctx.stage == 1 || ctx.stage == 2) step_gathers = std::make_unique<StepGathers>(ctx);
   pipeline = std::make_unique<StepPipeline>(ctx, *sink, step_gathers.get());
   sink->set_arrival_hook([p = pipeline.get()](memory::FamilyId f, bool complete) { p->gradients_arrived(f, complete); });
-  sink->set_settled_hook([p = pipeline.get()](size_t index) { p->gradient_settled(index); });
-  // Note [Updates in backward]: a pin that finds no room waits for the family the updater thread holds.
-  if (options.update_in_backward) ctx.make_room = [p = pipeline.get()](Tier) { return p->wait_for_an_update(); };
+  if (options.update_in_backward) {  // Note [Updates in backward]
+    sink->set_settled_hook([p = pipeline.get()](size_t index) { p->gradient_settled(index); });
+    // A pin that finds no room waits for the family the updater thread holds.
+    ctx.make_room = [p = pipeline.get()](Tier) { return p->wait_for_an_update(); };
+  }
   pipeline->place_optimizer_state();
   residency.hold_static_chunks();
   ctx.mgr->set_placement_listener(

@@ -8,6 +8,8 @@
 #include <future>
 #include <limits>
 #include <numeric>
+#include <tuple>
+#include <utility>
 
 #include "../zero/gathers.h"
 #include "grad_sink.h"
@@ -125,8 +127,14 @@ void StepPipeline::gradients_arrived(memory::FamilyId f, bool complete) {
   const ChunkId gc = ctx_.step_grad(f);
   memory::ChunkManager& mgr = *ctx_.mgr;
   if (!complete || gc != mgr.family(f).grad || !mgr.chunk(gc).resident_on(Tier::kHost)) return;
-  early_stats_[pos] = kernels::grad_stats(mgr.data(gc), ctx_.options.precision, mgr.chunk(gc).capacity_elems());
-  early_replicated_[pos] = ctx_.tensor_group != nullptr ? replicated_sum_sq(f) : 0.0;
+  std::tie(early_stats_[pos], early_replicated_[pos]) = stats_of(f);
+}
+
+std::pair<kernels::GradStats, double> StepPipeline::stats_of(memory::FamilyId f) const {
+  const ChunkId gc = ctx_.step_grad(f);
+  const memory::ChunkManager& mgr = *ctx_.mgr;
+  return {kernels::grad_stats(mgr.data(gc), ctx_.options.precision, mgr.chunk(gc).capacity_elems()),
+          ctx_.tensor_group != nullptr ? replicated_sum_sq(f) : 0.0};
 }
 
 // Note [Updates in backward]
@@ -137,13 +145,18 @@ void StepPipeline::begin_backward(bool fuse) {
   arrivals_.assign(ctx_.params.size(), 0);
   first_arrivals_.assign(n, 0);
   trainable_.assign(n, 0);
-  for (const ManagedParam& p : ctx_.params) trainable_[ctx_.family_pos.at(p.family)] += p.accumulator != nullptr ? 1 : 0;
+  trainable_elems_.assign(n, 0);
+  for (const ManagedParam& p : ctx_.params) {
+    if (p.accumulator == nullptr) continue;  // frozen: never arrives
+    const size_t pos = ctx_.family_pos.at(p.family);
+    trainable_[pos] += 1;
+    trainable_elems_[pos] += p.numel;
+  }
   updated_early_.assign(n, false);
   order_.clear();
   fusing_ = fuse && expected_.size() == ctx_.params.size() &&
             (ctx_.options.clip_norm == 0 || previous_norm_.has_value());
   if (!fusing_) return;
-  constexpr int kNever = std::numeric_limits<int>::max() / 2;
   unsettled_.assign(n, 0);
   for (size_t i = 0; i < ctx_.params.size(); ++i) {
     const ManagedParam& p = ctx_.params[i];
@@ -154,11 +167,9 @@ void StepPipeline::begin_backward(bool fuse) {
   for (size_t pos = 0; pos < n; ++pos) {
     if (optim_on_device_[pos] || unsettled_[pos] == 0) unsettled_[pos] = kNever;
   }
-  early_multiplier_ = static_cast<float>(multiplier(0.0));  // without clipping, the step's own
   done_sq_ = 0.0;
   done_elems_ = 0;
-  trainable_elems_ = 0;
-  for (const ManagedParam& p : ctx_.params) trainable_elems_ += p.accumulator != nullptr ? p.numel : 0;
+  all_elems_ = std::accumulate(trainable_elems_.begin(), trainable_elems_.end(), int64_t{0});
   early_lrs_.resize(ctx_.groups.size());
   for (size_t g = 0; g < early_lrs_.size(); ++g) early_lrs_[g] = static_cast<float>(current_lr(g));
 }
@@ -176,7 +187,6 @@ void StepPipeline::gradient_settled(size_t index) {
                "keeps the update; set update_in_backward false and resume from a checkpoint");
   if (n == 1 && ++first_arrivals_[pos] == trainable_[pos]) order_.push_back(pos);
   if (!fusing_) return;
-  constexpr int kNever = std::numeric_limits<int>::max() / 2;
   if (unsettled_[pos] >= kNever) return;
   if (n > expected_[index]) {  // used more often than the step before: the step updates it
     unsettled_[pos] = kNever;
@@ -187,34 +197,20 @@ void StepPipeline::gradient_settled(size_t index) {
 }
 
 bool StepPipeline::update_early(size_t pos) {
-  memory::ChunkManager& mgr = *ctx_.mgr;
   const memory::FamilyId f = ctx_.families[pos];
-  if (!track_ || pos >= early_stats_.size()) return false;
   if (!early_stats_[pos]) {  // an arrival after the sink saw the family complete forgot them
-    const ChunkId gc = ctx_.step_grad(f);
-    const auto slots = ctx_.all_slots(gc);
-    ctx_.pin(gc, Tier::kHost, slots);
-    try {
-      early_stats_[pos] = kernels::grad_stats(mgr.data(gc), ctx_.options.precision, mgr.chunk(gc).capacity_elems());
-      early_replicated_[pos] = ctx_.tensor_group != nullptr ? replicated_sum_sq(f) : 0.0;
-    } catch (...) {
-      ctx_.unpin(gc, slots);
-      throw;
-    }
-    ctx_.unpin(gc, slots);
+    ctx_.with_on_host({ctx_.step_grad(f)}, [&] { std::tie(early_stats_[pos], early_replicated_[pos]) = stats_of(f); });
   }
   if (!early_stats_[pos]->finite) return false;  // the step skips; nothing is updated here
-  float grad_scale = early_multiplier_;
+  double norm = 0.0;  // what the family is clipped by; without clipping, unused
   if (ctx_.options.clip_norm > 0) {  // Note [Updates in backward]: the norm as far as it is known
     done_sq_ += early_stats_[pos]->sum_sq;
-    for (size_t i : ctx_.params_of_chunk.at(ctx_.mgr->family(f).param)) {
-      done_elems_ += ctx_.params[i].accumulator != nullptr ? ctx_.params[i].numel : 0;
-    }
-    const double unit = 1.0 / (ctx_.options.grad_accumulation * ctx_.world()) / scale_;  // as grad_norm's
-    const double pending = 1.0 - static_cast<double>(done_elems_) / static_cast<double>(std::max<int64_t>(1, trainable_elems_));
-    const double estimate = std::sqrt(done_sq_ * unit * unit + *previous_norm_ * *previous_norm_ * std::max(0.0, pending));
-    grad_scale = static_cast<float>(multiplier(estimate));
+    done_elems_ += trainable_elems_[pos];
+    const double pending = 1.0 - static_cast<double>(done_elems_) / static_cast<double>(std::max<int64_t>(1, all_elems_));
+    const double previous = *previous_norm_;
+    norm = std::sqrt(done_sq_ * unscale() * unscale() + previous * previous * std::max(0.0, pending));
   }
+  const auto grad_scale = static_cast<float>(multiplier(norm));
   updated_early_[pos] = true;
   {
     std::unique_lock<std::mutex> lock(queue_mu_);
@@ -242,17 +238,22 @@ void StepPipeline::run_updates() {
       queue_.pop_front();
       ++running_;
     }
-    bool done = true;
+    bool ran = false;  // the kernel ran: the family is updated, whatever fails after
+    std::exception_ptr failed;
     try {
-      update_one(u);
+      update_one(u, ran);
     } catch (const std::exception& e) {
-      // The pins failed before the kernel ran: the family is as it was, and the step updates it.
-      STRATA_LOG(kDebug, "chunk family {} could not be updated in backward ({}); the step updates it", u.pos, e.what());
-      done = false;
+      if (ran) {
+        failed = std::current_exception();
+      } else {  // its chunks could not be pinned: the family is as it was
+        STRATA_LOG(kDebug, "chunk family {} could not be updated in backward ({}); the step updates it", u.pos,
+                   e.what());
+      }
     }
     {
       std::lock_guard<std::mutex> lock(queue_mu_);
-      if (!done) returned_.push_back(u.pos);
+      if (!ran) returned_.push_back(u.pos);
+      if (failed && !update_error_) update_error_ = failed;
       --running_;
       ++finished_;
     }
@@ -260,20 +261,22 @@ void StepPipeline::run_updates() {
   }
 }
 
-void StepPipeline::update_one(const EarlyUpdate& u) {
+void StepPipeline::update_one(const EarlyUpdate& u, bool& ran) {
   memory::ChunkManager& mgr = *ctx_.mgr;
   const memory::FamilyId f = ctx_.families[u.pos];
-  // The family that became final after this one in the backward before: its state, read while this one updates.
-  const auto read_next = [&] {
-    const auto at = std::find(last_order_.begin(), last_order_.end(), u.pos);
-    if (!ctx_.options.prefetch || at == last_order_.end() || std::next(at) == last_order_.end()) return;
-    const std::vector<ChunkId> state = ctx_.optim_members(ctx_.families[*std::next(at)]);
+  // Once pinned: reads the state of the family that became final after this one in the backward before.
+  const auto pinned = [&] {
+    ran = true;
+    const size_t next = u.pos < next_final_.size() ? next_final_[u.pos] : kNone;
+    if (!ctx_.options.prefetch || next == kNone) return;
+    const std::vector<ChunkId> state = ctx_.optim_members(ctx_.families[next]);
     for (ChunkId c : state) {
       if (mgr.chunk(c).resident_on(Tier::kHost)) mgr.access(c, Tier::kHost);  // most recently used: not a victim
     }
     ctx_.read_ahead(state, early_ahead_, /*only_into_free=*/false);
   };
-  update_family(u.pos, Tier::kHost, u.grad_scale, early_lrs_, read_next, updater_waited_, /*in_backward=*/true);
+  // Note [Updated parameters leave first]: backward updates families in the reverse of forward's order.
+  update_family(u.pos, Tier::kHost, u.grad_scale, early_lrs_, pinned, updater_waited_, memory::Demotion::kFirstFirst);
   if (optim_on_nvme_[u.pos]) {
     for (ChunkId c : ctx_.optim_members(f)) early_behind_.push_back(mgr.prefetch(c, Tier::kNvme));
   }
@@ -300,11 +303,11 @@ bool StepPipeline::wait_for_an_update() {
 }
 
 void StepPipeline::end_backward() {
-  drain_updates();
-  std::lock_guard<std::mutex> lock(fuse_mu_);
+  std::lock_guard<std::mutex> lock(fuse_mu_);  // the step drained the updater first
   if (counting_) {
     expected_ = arrivals_;
-    last_order_ = order_;
+    next_final_.assign(ctx_.families.size(), kNone);
+    for (size_t k = 0; k + 1 < order_.size(); ++k) next_final_[order_[k]] = order_[k + 1];
   }
   counting_ = false;
   fusing_ = false;
@@ -325,8 +328,10 @@ void StepPipeline::abandon_backward() noexcept {
   early_behind_.clear();
 }
 
+double StepPipeline::unscale() const { return 1.0 / (ctx_.options.grad_accumulation * ctx_.world()) / scale_; }
+
 double StepPipeline::multiplier(double norm) const {
-  double m = 1.0 / (ctx_.options.grad_accumulation * ctx_.world()) / scale_;
+  double m = unscale();
   if (ctx_.options.clip_norm > 0) m *= kernels::clip_coefficient(norm, ctx_.options.clip_norm);
   return m;
 }
@@ -361,8 +366,9 @@ kernels::GradStats StepPipeline::grad_stats() {
     if (next < ctx_.families.size() && ctx_.options.prefetch) {
       ctx_.read_ahead({ctx_.step_grad(ctx_.families[next])}, ahead, /*only_into_free=*/true);
     }
-    total.merge(kernels::grad_stats(mgr.data(gc), ctx_.options.precision, mgr.chunk(gc).capacity_elems()));
-    if (ctx_.tensor_group != nullptr) replicated += replicated_sum_sq(ctx_.families[i]);  // while it is pinned
+    const auto [stats, family_replicated] = stats_of(ctx_.families[i]);  // while it is pinned
+    total.merge(stats);
+    replicated += family_replicated;
     ctx_.unpin(gc, slots);
   }
   EngineContext::settle(ahead);
@@ -427,7 +433,7 @@ double StepPipeline::current_lr(size_t group) const {
 // Pins family `index` on `tier`, calls `pinned_hook` (the read-ahead of the
 // next family, which must not evict this one), then updates it.
 void StepPipeline::update_family(size_t index, Tier tier, float grad_scale, const std::vector<float>& lrs,
-                                 const std::function<void()>& pinned_hook, double& waited, bool in_backward) {
+                                 const std::function<void()>& pinned_hook, double& waited, memory::Demotion updated) {
   const memory::FamilyId f = ctx_.families[index];
   const memory::ChunkFamily& fam = ctx_.mgr->family(f);
   // On a GPU the device's memory is not the host's: the CUDA kernels run there.
@@ -463,11 +469,7 @@ void StepPipeline::update_family(size_t index, Tier tier, float grad_scale, cons
   // Note [Gradients die with their update]
   ctx_.mgr->release(fam.grad);
   if (fam.grad_shard) ctx_.mgr->release(*fam.grad_shard);
-  // Note [Updated parameters leave first]: the next forward needs them in family order; updated in
-  // backward (Note [Updates in backward]), the families come in the reverse order, so the first updated leave first.
-  if (tier == Tier::kHost) {
-    ctx_.mgr->demote(ctx_.step_param(f), in_backward ? memory::Demotion::kFirstFirst : memory::Demotion::kLastFirst);
-  }
+  if (tier == Tier::kHost) ctx_.mgr->demote(ctx_.step_param(f), updated);  // Note [Updated parameters leave first]
 }
 
 // Note [Parameters the update overwrites]
@@ -693,8 +695,12 @@ void StepPipeline::update_split(float grad_scale, const std::vector<float>& lrs,
 
 bool StepPipeline::step(double& grad_norm) {
   drain_updates();  // Note [Updates in backward]: what backward handed over is done, or the step's
+  if (update_error_) {  // a family updated, then its write-back could not start
+    const std::exception_ptr failed = std::exchange(update_error_, nullptr);
+    abandon_backward();
+    std::rethrow_exception(failed);
+  }
   const EngineOptions& options = ctx_.options;
-  const double average = 1.0 / (options.grad_accumulation * ctx_.world());
   const kernels::GradStats total = grad_stats();
   if (!total.finite) {
     skipped_ += 1;
@@ -704,7 +710,7 @@ bool StepPipeline::step(double& grad_norm) {
       STRATA_LOG(kInfo, "fp16 gradients overflowed at loss scale {}: step skipped, scale now {}", scale_, next);
       scale_ = next;
     } else {
-      const auto early = static_cast<size_t>(std::count(updated_early_.begin(), updated_early_.end(), true));
+      const int early = updated_in_backward();
       STRATA_LOG(kWarn, "gradients hold inf or nan in a {} run: step skipped{}", dtype_name(options.precision),
                  early == 0 ? std::string()
                             : fmt::format(", except the {} chunk families update_in_backward had updated already "
@@ -715,7 +721,7 @@ bool StepPipeline::step(double& grad_norm) {
     sink_.zero();
     return false;
   }
-  grad_norm = std::sqrt(total.sum_sq) * average / scale_;
+  grad_norm = std::sqrt(total.sum_sq) * unscale();
   const double multiplier = this->multiplier(grad_norm);
 
   const std::vector<memory::FamilyId>& families = ctx_.families;

@@ -9,8 +9,11 @@
 #include <algorithm>
 #include <condition_variable>
 #include <deque>
+#include <exception>
+#include <limits>
 #include <mutex>
 #include <thread>
+#include <utility>
 #include <optional>
 #include <vector>
 
@@ -219,7 +222,11 @@ class StepPipeline {
   /// calls `pinned_hook`, then updates it there; adds the time the pins
   /// waited to `waited`.
   void update_family(size_t index, Tier tier, float grad_scale, const std::vector<float>& lrs,
-                     const std::function<void()>& pinned_hook, double& waited, bool in_backward = false);
+                     const std::function<void()>& pinned_hook, double& waited,
+                     memory::Demotion updated = memory::Demotion::kLastFirst);
+  /// Family `f`'s gradient statistics and the part other tensor ranks hold
+  /// too (replicated_sum_sq), its gradient chunk pinned on host.
+  std::pair<kernels::GradStats, double> stats_of(memory::FamilyId f) const;
   void update_param(ManagedParam& p, const kernels::OptimSpans& spans, float grad_scale, float lr, bool on_cuda);
   /// Note [Parameters the update overwrites]: family `f`'s update writes
   /// every parameter element of its step parameter chunk on this rank.
@@ -237,9 +244,10 @@ class StepPipeline {
   /// others on a worker; `after(i)` runs here for each family in order once
   /// it is updated.
   void update_split(float grad_scale, const std::vector<float>& lrs, const std::function<void(size_t)>& after);
-  /// What the step multiplies the gradients by: the mean over micro-steps
-  /// and ranks, the loss scale undone, and with clipping the coefficient of
-  /// `norm`.
+  /// The mean over micro-steps and ranks, the loss scale undone: what turns
+  /// the summed gradients into the step's.
+  double unscale() const;
+  /// unscale(), and with clipping the coefficient of `norm`.
   double multiplier(double norm) const;
   /// Note [Updates in backward]: hands family `pos` to the updater thread
   /// with the multiplier it is updated by; false when its gradients are not
@@ -251,7 +259,8 @@ class StepPipeline {
   };
   /// The updater thread's loop, and one update on it.
   void run_updates();
-  void update_one(const EarlyUpdate& u);
+  /// `ran`: set once the family's chunks are pinned and the kernel is about to run.
+  void update_one(const EarlyUpdate& u, bool& ran);
   /// Waits until the updater thread has done all it was given; families it
   /// could not update (no room, a read that failed: nothing of them
   /// changed) are left to the step.
@@ -280,14 +289,16 @@ class StepPipeline {
   std::vector<int> arrivals_;   // by parameter index: this backward's arrivals
   std::vector<int> expected_;   // by parameter index: the last counted backward's; empty: none yet
   std::vector<int> first_arrivals_;  // by family position: trainable parameters arrived at least once
-  std::vector<int> trainable_;       // by family position: its trainable parameters
+  std::vector<int> trainable_;            // by family position: its trainable parameters
+  std::vector<int64_t> trainable_elems_;  // and their elements
   std::vector<int> unsettled_;  // by family position: parameters short of their expected arrivals
   std::vector<bool> updated_early_;   // by family position
-  std::vector<size_t> order_;       // family positions in the order they became complete, this backward
-  std::vector<size_t> last_order_;  // the same, the last counted backward
-  float early_multiplier_ = 1.0f;  // without clipping
-  double done_sq_ = 0.0;           // with clipping: the gradients' sum of squares of the families updated
-  int64_t done_elems_ = 0, trainable_elems_ = 0;  // and their elements, of all trainable ones
+  std::vector<size_t> order_;  // family positions in the order they became complete, this backward
+  static constexpr size_t kNone = static_cast<size_t>(-1);
+  std::vector<size_t> next_final_;  // by position: the family complete next in the last counted backward, or kNone
+  static constexpr int kNever = std::numeric_limits<int>::max() / 2;  // unsettled_: the step updates it
+  double done_sq_ = 0.0;   // with clipping: the gradients' sum of squares of the families updated
+  int64_t done_elems_ = 0, all_elems_ = 0;  // and their elements, of all trainable ones
   std::vector<float> early_lrs_;
   std::vector<offload::CopyTicket> early_ahead_, early_behind_;  // the updater thread's
   std::optional<double> previous_norm_;
@@ -301,6 +312,7 @@ class StepPipeline {
   uint64_t finished_ = 0;    // updates done or given up, ever
   bool stop_ = false;
   std::vector<size_t> returned_;  // families the updater could not update: the step's
+  std::exception_ptr update_error_;  // a failure after a family's kernel ran: the step's error
   double updater_waited_ = 0.0;
 };
 

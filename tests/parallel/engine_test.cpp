@@ -22,6 +22,34 @@
 namespace strata::parallel {
 namespace {
 
+// Bytes the chunk manager moved into and out of the NVMe tier so far.
+uint64_t nvme_traffic(const Engine& engine) {
+  const memory::MoveStats m = engine.move_stats();
+  const auto nvme = static_cast<size_t>(memory::Tier::kNvme);
+  uint64_t bytes = 0;
+  for (int t = 0; t < memory::kNumTiers; ++t) bytes += m.bytes[nvme][t] + m.bytes[t][nvme];
+  return bytes;
+}
+
+// Every tier's peak within its budget, by the engine's own accounting.
+void expect_within_budgets(const Engine& engine, const std::string& what = "") {
+  for (memory::Tier t : {memory::Tier::kDevice, memory::Tier::kHost, memory::Tier::kNvme}) {
+    EXPECT_LE(engine.tier_stats(t).peak, engine.tier_stats(t).budget) << what << " " << memory::tier_name(t);
+  }
+}
+
+// The module's parameters, copied out in fp32.
+std::vector<torch::Tensor> fp32_params(torch::nn::Module& m) {
+  std::vector<torch::Tensor> out;
+  for (const auto& p : m.parameters()) out.push_back(p.detach().to(torch::kFloat32).clone());
+  return out;
+}
+
+void expect_bit_equal(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b, const std::string& what) {
+  ASSERT_EQ(a.size(), b.size()) << what;
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(torch::equal(a[i], b[i])) << what << " parameter " << i;
+}
+
 TEST(Engine, TrainsLikePlainLibTorchAtAQuarterOfModelStateOnDevice) {
   torch::manual_seed(7);
   auto reference = mlp();
@@ -228,9 +256,7 @@ TEST(Engine, OptimizerStateOnNvmeTrainsLikePlainLibTorch) {
     // Each step writes every family's exp_avg and exp_avg_sq out, and every step after the first reads them back.
     EXPECT_GE(moves.count[host][nvme], 8 * 2 * engine->num_families());
     EXPECT_GE(moves.count[nvme][host], 7 * 2 * engine->num_families());
-    for (memory::Tier t : {memory::Tier::kDevice, memory::Tier::kHost, memory::Tier::kNvme}) {
-      EXPECT_LE(engine->tier_stats(t).peak, engine->tier_stats(t).budget) << memory::tier_name(t);
-    }
+    expect_within_budgets(*engine);
   }
   expect_params_close(*reference, *model);
   std::filesystem::remove_all(dir);
@@ -456,13 +482,7 @@ TEST(Engine, EveryStepMovesAtLeastTheLeastTrafficThroughNvme) {
     EXPECT_EQ(st.memory, engine->tier_stats(memory::Tier::kDevice).budget + engine->tier_stats(memory::Tier::kHost).budget);
     const memory::TrafficBound bound = memory::least_step_traffic(st);
     ASSERT_GT(bound.one_step.total(), 0u) << "the test must spill to NVMe";
-    const auto nvme = static_cast<size_t>(memory::Tier::kNvme);
-    const auto moved = [&] {
-      const memory::MoveStats m = engine->move_stats();
-      uint64_t bytes = 0;
-      for (int t = 0; t < memory::kNumTiers; ++t) bytes += m.bytes[nvme][t] + m.bytes[t][nvme];
-      return bytes;
-    };
+    const auto moved = [&] { return nvme_traffic(*engine); };
     torch::manual_seed(42);
     const int steps = 5;
     const uint64_t start = moved();
@@ -476,9 +496,7 @@ TEST(Engine, EveryStepMovesAtLeastTheLeastTrafficThroughNvme) {
       EXPECT_GE(moved() - before, bound.one_step.total()) << dtype_name(precision) << " step " << s;
     }
     EXPECT_GE(moved() - start + st.persistent, steps * bound.steady.total()) << dtype_name(precision);
-    for (memory::Tier t : {memory::Tier::kDevice, memory::Tier::kHost, memory::Tier::kNvme}) {
-      EXPECT_LE(engine->tier_stats(t).peak, engine->tier_stats(t).budget) << memory::tier_name(t);
-    }
+    expect_within_budgets(*engine);
     std::printf("%s: %d steps moved %llu bytes through NVMe; least per step %llu (one step), %llu (steady)\n",
                 dtype_name(precision), steps, static_cast<unsigned long long>(moved() - start),
                 static_cast<unsigned long long>(bound.one_step.total()),
@@ -537,7 +555,7 @@ TEST(Engine, GradientStatisticsTakenInBackwardReadSpilledGradientsOnce) {
         r.losses.push_back(res.loss);
         r.norms.push_back(res.grad_norm);
       }
-      for (const auto& p : model->parameters()) r.params.push_back(p.detach().to(torch::kFloat32).clone());
+      r.params = fp32_params(*model);
       engine.reset();
       std::filesystem::remove_all(dir);
       return r;
@@ -546,8 +564,7 @@ TEST(Engine, GradientStatisticsTakenInBackwardReadSpilledGradientsOnce) {
     const char* name = dtype_name(precision);
     EXPECT_EQ(early.losses, late.losses) << name;
     EXPECT_EQ(early.norms, late.norms) << name << ": the same norm, so the same clipping";
-    ASSERT_EQ(early.params.size(), late.params.size());
-    for (size_t i = 0; i < early.params.size(); ++i) EXPECT_TRUE(torch::equal(early.params[i], late.params[i])) << name;
+    expect_bit_equal(early.params, late.params, name);
     ASSERT_GT(late.grad_written, 0u) << name << ": the test must spill gradients to NVMe";
     EXPECT_TRUE(early.read_at_most_written_each_step) << name << ": a spilled gradient came back twice";
     std::printf("%s: gradient bytes read from NVMe over 5 steps: %llu taking the statistics in backward, %llu at the "
@@ -609,18 +626,15 @@ TEST(Engine, MixedPrecisionUpdateReadsNoParameterBackAndWritesNoDeadGradient) {
       r.grad_written += after.nvme_written_by_role[grad] - before.nvme_written_by_role[grad];
       r.losses.push_back(res.loss);
     }
-    for (memory::Tier t : {memory::Tier::kDevice, memory::Tier::kHost, memory::Tier::kNvme}) {
-      EXPECT_LE(engine->tier_stats(t).peak, engine->tier_stats(t).budget) << memory::tier_name(t);
-    }
-    for (const auto& p : model->parameters()) r.params.push_back(p.detach().to(torch::kFloat32).clone());
+    expect_within_budgets(*engine);
+    r.params = fp32_params(*model);
     engine.reset();
     std::filesystem::remove_all(dir);
     return r;
   };
   const Run spilled = train(true), resident = train(false);
   EXPECT_EQ(spilled.losses, resident.losses);
-  ASSERT_EQ(spilled.params.size(), resident.params.size());
-  for (size_t i = 0; i < spilled.params.size(); ++i) EXPECT_TRUE(torch::equal(spilled.params[i], resident.params[i])) << i;
+  expect_bit_equal(spilled.params, resident.params, "spilled");
   std::printf("optimizer phases over 5 steps: %zu parameter chunks on NVMe at their start, %llu parameter bytes read; "
               "gradient bytes %llu written, %llu read\n",
               spilled.params_on_nvme, static_cast<unsigned long long>(spilled.param_read),
@@ -664,34 +678,25 @@ TEST(Engine, UpdatesInBackwardEqualTheStepWithoutClipping) {
       const memory::StepState st = engine->step_state();
       EXPECT_EQ(st.global_barrier, !in_backward);
       const memory::TrafficBound bound = memory::least_step_traffic(st);
-      const auto nvme = static_cast<size_t>(memory::Tier::kNvme);
       const auto grad = static_cast<size_t>(memory::ChunkRole::kGrad);
-      const auto moved = [&] {
-        const memory::MoveStats m = engine->move_stats();
-        uint64_t bytes = 0;
-        for (int t = 0; t < memory::kNumTiers; ++t) bytes += m.bytes[nvme][t] + m.bytes[t][nvme];
-        return bytes;
-      };
       Run r;
       r.families = engine->num_families();
       torch::manual_seed(52);
       for (int s = 0; s < 5; ++s) {
         const torch::Tensor x = torch::randn({64, 32}), y = torch::randn({64, 64});
-        const uint64_t before = moved();
+        const uint64_t before = nvme_traffic(*engine);
         const uint64_t grad_before = engine->move_stats().nvme_written_by_role[grad];
         const StepResult res = engine->train_step(
             [&] { return torch::mse_loss(model->forward(engine->to_device(x)).to(torch::kFloat32), y); });
         EXPECT_TRUE(res.stepped) << "step " << s;
-        EXPECT_GE(moved() - before, bound.one_step.total()) << dtype_name(precision) << " step " << s;
+        EXPECT_GE(nvme_traffic(*engine) - before, bound.one_step.total()) << dtype_name(precision) << " step " << s;
         if (s > 0) r.grad_written += engine->move_stats().nvme_written_by_role[grad] - grad_before;
         r.losses.push_back(res.loss);
         r.norms.push_back(res.grad_norm);
         r.early.push_back(res.updated_in_backward);
       }
-      for (memory::Tier t : {memory::Tier::kDevice, memory::Tier::kHost, memory::Tier::kNvme}) {
-        EXPECT_LE(engine->tier_stats(t).peak, engine->tier_stats(t).budget) << memory::tier_name(t);
-      }
-      for (const auto& p : model->parameters()) r.params.push_back(p.detach().to(torch::kFloat32).clone());
+      expect_within_budgets(*engine);
+      r.params = fp32_params(*model);
       engine.reset();
       std::filesystem::remove_all(dir);
       return r;
@@ -700,8 +705,7 @@ TEST(Engine, UpdatesInBackwardEqualTheStepWithoutClipping) {
     const char* name = dtype_name(precision);
     EXPECT_EQ(in.losses, after.losses) << name;
     EXPECT_EQ(in.norms, after.norms) << name;
-    ASSERT_EQ(in.params.size(), after.params.size());
-    for (size_t i = 0; i < in.params.size(); ++i) EXPECT_TRUE(torch::equal(in.params[i], after.params[i])) << name << " " << i;
+    expect_bit_equal(in.params, after.params, name);
     EXPECT_EQ(in.early[0], 0) << name << ": the first backward only counts arrivals";
     for (size_t s = 1; s < in.early.size(); ++s) {
       EXPECT_EQ(in.early[s], static_cast<int>(in.families)) << name << " step " << s;
@@ -773,8 +777,7 @@ TEST(Engine, UpdatesInBackwardClipByTheNormAsFarAsItIsKnown) {
       losses.push_back(r.loss);
       early += r.updated_in_backward;
     }
-    std::vector<torch::Tensor> weights;
-    for (const auto& p : m->parameters()) weights.push_back(p.detach().clone());
+    const std::vector<torch::Tensor> weights = fp32_params(*m);
     engine.reset();
     return std::make_tuple(losses, weights, early);
   };
@@ -783,7 +786,7 @@ TEST(Engine, UpdatesInBackwardClipByTheNormAsFarAsItIsKnown) {
   EXPECT_GT(in_early, 3) << "several families updated in backward";
   EXPECT_EQ(none, 0);
   EXPECT_EQ(in_losses, losses);
-  for (size_t i = 0; i < weights.size(); ++i) EXPECT_TRUE(torch::equal(in_weights[i], weights[i])) << i;
+  expect_bit_equal(in_weights, weights, "never binding");
 }
 
 // A checkpoint keeps the previous norm the updates in backward estimate the
