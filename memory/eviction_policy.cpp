@@ -33,7 +33,11 @@ void LruPolicy::on_access(ChunkId chunk, Tier) { last_access_[chunk] = ++clock_;
 void LruPolicy::on_leave(ChunkId, Tier) {}
 
 void LruPolicy::on_demote(ChunkId chunk, Tier, Demotion order) {
-  last_access_[chunk] = order == Demotion::kLastFirst ? --demoted_ : INT64_MIN / 2 + ++in_order_;
+  switch (order) {
+    case Demotion::kLastFirst: last_access_[chunk] = --demoted_; break;
+    case Demotion::kFirstFirst: last_access_[chunk] = INT64_MIN / 2 + ++in_order_; break;
+    case Demotion::kBeforeAll: last_access_[chunk] = INT64_MIN / 2 - ++before_all_; break;
+  }
 }
 
 ChunkId LruPolicy::choose_victim(Tier, const std::vector<ChunkId>& candidates) {

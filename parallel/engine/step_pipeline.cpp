@@ -469,7 +469,11 @@ void StepPipeline::update_family(size_t index, Tier tier, float grad_scale, cons
   // Note [Gradients die with their update]
   ctx_.mgr->release(fam.grad);
   if (fam.grad_shard) ctx_.mgr->release(*fam.grad_shard);
-  if (tier == Tier::kHost) ctx_.mgr->demote(ctx_.step_param(f), updated);  // Note [Updated parameters leave first]
+  if (tier == Tier::kHost) {
+    ctx_.mgr->demote(ctx_.step_param(f), updated);  // Note [Updated parameters leave first]
+    // Note [Updated optimizer state leaves before parameters]
+    for (ChunkId s : ctx_.optim_members(f)) ctx_.mgr->demote(s, memory::Demotion::kBeforeAll);
+  }
 }
 
 // Note [Parameters the update overwrites]

@@ -91,6 +91,21 @@ class StepGathers;
 // first in forward, so they are demoted to leave the first updated first
 // (memory::Demotion::kFirstFirst): with the last-first order, a 3B fp32 run
 // read 7.6-11 GiB of parameters back a step for 11 GiB of them.
+// Note [Updated optimizer state leaves before parameters]
+// A family's optimizer state (and fp32 master in mixed precision), once
+// updated, is touched again only by the
+// same family's update a step later, after the next forward has used every
+// parameter (and, in the step's phase, after the next backward too). Left
+// in the recency order it was the most recently used chunk on host, so the
+// host evicted the early layers' parameters, idle since forward, before
+// it: each step read nearly all the optimizer state back and wrote it out
+// again, and read the parameters besides. The step demotes it with
+// memory::Demotion::kBeforeAll, ahead of the updated parameters, the last
+// updated first: both the phase and the updates in backward take the
+// families in the same order every step, so the first updated is the first
+// needed again. What the host holds across steps is then optimizer state
+// that stays resident, read and written by no step, the residency Note
+// [The least traffic of a step] counts on.
 // Note [Updates in backward]
 // With EngineOptions::update_in_backward, the backward that ends an
 // accumulation updates each chunk family the moment its gradients are

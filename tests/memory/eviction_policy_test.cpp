@@ -57,6 +57,27 @@ TEST(LruPolicy, ChunksDemotedFirstFirstLeaveInTheOrderDemoted) {
   EXPECT_EQ(lru.choose_victim(Tier::kHost, {1, 5}), 1) << "then least recently used";
 }
 
+// Demoted kBeforeAll (an updated family's optimizer state, needed only in
+// the next step's update, after every parameter): before any chunk demoted
+// otherwise or accessed, the last demoted first, whichever order the others
+// were demoted in before or after them.
+TEST(LruPolicy, ChunksDemotedBeforeAllLeaveFirstTheLastDemotedFirst) {
+  LruPolicy lru;
+  for (ChunkId c : {1, 2, 3, 4, 5, 6}) lru.on_access(c, Tier::kHost);
+  lru.on_demote(6, Tier::kHost, Demotion::kFirstFirst);
+  lru.on_demote(4, Tier::kHost, Demotion::kBeforeAll);
+  lru.on_demote(5, Tier::kHost, Demotion::kLastFirst);
+  lru.on_demote(3, Tier::kHost, Demotion::kBeforeAll);
+  lru.on_demote(2, Tier::kHost, Demotion::kFirstFirst);
+  EXPECT_EQ(lru.choose_victim(Tier::kHost, {1, 2, 3, 4, 5, 6, 9}), 3) << "the last demoted kBeforeAll";
+  EXPECT_EQ(lru.choose_victim(Tier::kHost, {1, 2, 4, 5, 6, 9}), 4);
+  EXPECT_EQ(lru.choose_victim(Tier::kHost, {1, 2, 5, 6, 9}), 6) << "then the first demoted kFirstFirst";
+  EXPECT_EQ(lru.choose_victim(Tier::kHost, {1, 2, 5, 9}), 2);
+  EXPECT_EQ(lru.choose_victim(Tier::kHost, {1, 5, 9}), 5) << "then kLastFirst";
+  lru.on_access(3, Tier::kHost);  // used again: back in the recency order
+  EXPECT_EQ(lru.choose_victim(Tier::kHost, {1, 3}), 1);
+}
+
 }  // namespace
 }  // namespace strata::memory
 

@@ -28,6 +28,9 @@ using ChunkId = int32_t;
 enum class Demotion {
   kLastFirst,   // the last demoted: they are needed again in the order they were demoted
   kFirstFirst,  // the first demoted: needed again in the reverse order
+  kBeforeAll,   // before every chunk demoted otherwise, the last demoted first: not needed
+                // before the next step's use of the same kind (an updated family's
+                // optimizer state, Note [Updated optimizer state leaves before parameters])
 };
 
 class EvictionPolicy {
@@ -51,8 +54,9 @@ class EvictionPolicy {
 
 /// Least recently used: evicts the candidate whose last access is oldest
 /// (ties: the lower chunk id, so runs are reproducible). Demoted chunks are
-/// older than any access: those demoted kFirstFirst oldest, the first
-/// demoted oldest, then those demoted kLastFirst, the last demoted oldest.
+/// older than any access: those demoted kBeforeAll oldest, the last demoted
+/// oldest; then those demoted kFirstFirst, the first demoted oldest; then
+/// those demoted kLastFirst, the last demoted oldest.
 class LruPolicy final : public EvictionPolicy {
  public:
   const char* name() const noexcept override { return "lru"; }
@@ -65,6 +69,7 @@ class LruPolicy final : public EvictionPolicy {
   int64_t clock_ = 0;  // accesses count up from 1, kLastFirst demotions down from -1
   int64_t demoted_ = 0;
   int64_t in_order_ = 0;  // kFirstFirst demotions count up from INT64_MIN / 2
+  int64_t before_all_ = 0;  // kBeforeAll demotions count down from INT64_MIN / 2
   std::unordered_map<ChunkId, int64_t> last_access_;
 };
 
