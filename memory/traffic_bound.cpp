@@ -29,4 +29,12 @@ TrafficBound least_step_traffic(const StepState& s) {
   return b;
 }
 
+std::optional<Traffic> most_traffic_updating_in_backward(const StepState& s) {
+  if (s.stored == 0) return std::nullopt;
+  const uint64_t kept = less_or_zero(s.host, 3 * s.largest_update);  // on host across steps, at the least
+  if (s.parameters > kept) return std::nullopt;
+  const uint64_t moved = less_or_zero(s.stored, kept);
+  return Traffic{moved, moved};
+}
+
 }  // namespace strata::memory

@@ -179,6 +179,8 @@ void run_scale_bench(const ScaleBenchOptions& o) {
   const memory::TrafficBound least = memory::least_step_traffic(step_state);
   const double least_s = least.steady.seconds(read_gbps, write_gbps);
   const double target_s = std::max(least_s, floor.total);
+  const std::optional<memory::Traffic> most =
+      step_state.global_barrier ? std::nullopt : memory::most_traffic_updating_in_backward(step_state);
 
   if (!o.json) {
     fmt::print("strata bench scale: examples/gpt, {} layers x dim {} ({} parameters, {:.2f} B; model state {}), "
@@ -204,6 +206,16 @@ void run_scale_bench(const ScaleBenchOptions& o) {
       fmt::print("  (with a global fact before the updates, as without --update-in-backward: {} read + {} written, "
                  "{:.1f} s)\n", format_bytes(b.steady.read), format_bytes(b.steady.written),
                  b.steady.seconds(read_gbps, write_gbps));
+      if (most) {
+        fmt::print("  (the most a steady step of updates in backward moves, Note [What an update in backward cannot "
+                   "keep]: {} read + {} written; chunks kept between steps {}, host {}, largest update {})\n",
+                   format_bytes(most->read), format_bytes(most->written), format_bytes(step_state.stored),
+                   format_bytes(step_state.host), format_bytes(step_state.largest_update));
+      } else {
+        fmt::print("  (no ceiling for updates in backward: the parameter chunks, {}, do not fit in the host beside "
+                   "three updates, Note [What an update in backward cannot keep])\n",
+                   format_bytes(step_state.parameters));
+      }
     }
     fmt::print("compute floor (resident forward, recomputation and backward): embedding and head {:.2f} s + {} blocks x "
                "{:.2f} s = {:.1f} s\n", floor.ends, mc.layers, floor.block, floor.total);
@@ -282,6 +294,9 @@ void run_scale_bench(const ScaleBenchOptions& o) {
                                         {"steady_written_bytes", least.steady.written},
                                         {"one_step_bytes", least.one_step.total()},
                                         {"seconds", least_s}}},
+                     {"most_updating_in_backward",
+                      most ? nlohmann::json{{"read_bytes", most->read}, {"written_bytes", most->written}}
+                           : nlohmann::json(nullptr)},
                      {"compute_floor", {{"ends_seconds", floor.ends}, {"block_seconds", floor.block},
                                         {"seconds", floor.total}}},
                      {"steps", steps},              {"peak_rss_bytes", peak},

@@ -452,6 +452,18 @@ memory::StepState Engine::step_state() const {
   // The overflow check skips a step on every family (StepPipeline::step); with
   // update_in_backward no update waits for it (Note [Updates in backward]).
   s.global_barrier = !ctx.options.update_in_backward;
+  // Note [What an update in backward cannot keep]
+  const auto bytes = [&](ChunkId c) { return static_cast<uint64_t>(ctx.mgr->chunk(c).alloc_bytes()); };
+  for (const memory::FamilyId id : ctx.families) {
+    const uint64_t param = bytes(ctx.step_param(id));
+    uint64_t state = 0;
+    for (ChunkId c : ctx.optim_members(id)) state += bytes(c);
+    s.parameters += param;
+    s.stored += param + state;
+    const ChunkId grad = ctx.step_grad(id);
+    s.largest_update = std::max(s.largest_update, param + state + (grad == ctx.step_param(id) ? 0 : bytes(grad)));
+  }
+  s.host = ctx.mgr->tier_stats(Tier::kHost).budget;
   return s;
 }
 

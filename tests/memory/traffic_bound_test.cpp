@@ -74,6 +74,29 @@ TEST(TrafficBound, ClosedFormsAreTheMinimumOverEverySplit) {
   }
 }
 
+// Note [What an update in backward cannot keep]: S - (H - 3F) each way, when
+// the parameter chunks fit in H - 3F.
+TEST(TrafficBound, UpdatesInBackwardMoveWhatTheHostLessThreeUpdatesCannotKeep) {
+  StepState s{1200, 400, 500, false};
+  EXPECT_FALSE(most_traffic_updating_in_backward(s)) << "the chunks not known";
+  s.stored = 1400;
+  s.parameters = 300;
+  s.host = 450;
+  s.largest_update = 50;
+  const std::optional<Traffic> most = most_traffic_updating_in_backward(s);
+  ASSERT_TRUE(most);
+  EXPECT_EQ(most->read, 1100u);
+  EXPECT_EQ(most->written, 1100u);
+  EXPECT_GE(most->read, least_step_traffic(s).steady.read) << "never below the bound";
+  s.parameters = 301;
+  EXPECT_FALSE(most_traffic_updating_in_backward(s)) << "parameters that do not fit may be read twice";
+  s.parameters = 100;
+  s.largest_update = 200;
+  EXPECT_FALSE(most_traffic_updating_in_backward(s)) << "three updates leave no room for them";
+  s.host = 2000;
+  EXPECT_EQ(most_traffic_updating_in_backward(s)->total(), 0u) << "everything stays on host";
+}
+
 TEST(TrafficBound, SecondsAtTheStoresBandwidth) {
   const Traffic t{2000000000, 1000000000};
   EXPECT_DOUBLE_EQ(t.seconds(2.0, 0.5), 1.0 + 2.0);

@@ -507,7 +507,7 @@ TEST(Engine, EveryStepMovesAtLeastTheLeastTrafficThroughNvme) {
 }
 
 // Note [Gradient statistics as families complete]: on an MLP of nine
-// layers whose state is 8x the device and 8/3x the host budget, the step's
+// layers whose state is 8x the device and 16/3x the host budget, the step's
 // norm and overflow check are taken in backward as each family's gradients
 // complete, so a gradient spilled to NVMe comes back once, for its update,
 // not twice. A before_step hook (which may change the gradients) makes the
@@ -532,7 +532,7 @@ TEST(Engine, GradientStatisticsTakenInBackwardReadSpilledGradientsOnce) {
       for (const auto& p : model->parameters()) params += p.numel();
       const auto state = static_cast<uint64_t>(params) * 16;
       EngineOptions o;
-      o.budgets = {state / 8, state * 3 / 8, state * 2};
+      o.budgets = {state / 8, state * 3 / 16, state * 2};
       o.nvme_dir = dir.string();
       o.chunk_elems = 1024;
       o.precision = precision;
@@ -714,6 +714,72 @@ TEST(Engine, UpdatesInBackwardEqualTheStepWithoutClipping) {
     std::printf("%s: gradient bytes written to NVMe in steps 2-5: %llu updating in backward, %llu after it\n", name,
                 static_cast<unsigned long long>(in.grad_written), static_cast<unsigned long long>(after.grad_written));
     EXPECT_LE(in.grad_written, after.grad_written) << name;
+  }
+}
+
+// Note [What an update in backward cannot keep]: with the device and host
+// far below the state but the host able to hold the parameter chunks beside
+// three updates, every steady step of updates in backward (from the third:
+// the first only counts arrivals, the second starts from the step's layout)
+// moves at least the bound and at most the note's ceiling, each way, by the
+// chunk manager's own count.
+TEST(Engine, UpdatesInBackwardMoveAtMostWhatTheHostCannotKeep) {
+  const std::filesystem::path dir = temp_path("engine-most-traffic");
+  for (DType precision : {DType::kFloat32, DType::kBFloat16}) {
+    const char* name = dtype_name(precision);
+    torch::manual_seed(61);
+    torch::nn::Sequential model;
+    for (int l = 0; l < 24; ++l) {
+      model->push_back(torch::nn::Linear(torch::nn::LinearOptions(32, 32).bias(false)));
+      model->push_back(torch::nn::Tanh());
+    }
+    int64_t params = 0;
+    for (const auto& p : model->parameters()) params += p.numel();
+    const auto state = static_cast<uint64_t>(params) * 16;
+    EngineOptions o;
+    o.budgets = {state / 16, state / 2, state * 2};
+    o.nvme_dir = dir.string();
+    o.chunk_elems = 32 * 32;  // one layer a chunk, each a whole number of pages
+    o.precision = precision;
+    o.update_in_backward = true;
+    auto engine = attach(*model, AdamWConfig{}, o);
+    const memory::StepState st = engine->step_state();
+    const memory::TrafficBound bound = memory::least_step_traffic(st);
+    const std::optional<memory::Traffic> most = memory::most_traffic_updating_in_backward(st);
+    ASSERT_TRUE(most) << name << ": the parameter chunks (" << st.parameters << " bytes) must fit beside three updates ("
+                      << st.largest_update << " bytes each) in the host (" << st.host << ")";
+    ASSERT_GT(bound.steady.total(), 0u) << name << ": the test must spill to NVMe";
+    EXPECT_LE(bound.steady.read, most->read) << name;
+    const auto nvme = static_cast<size_t>(memory::Tier::kNvme);
+    const auto read_written = [&] {
+      const memory::MoveStats m = engine->move_stats();
+      uint64_t r = 0, w = 0;
+      for (int t = 0; t < memory::kNumTiers; ++t) {
+        r += m.bytes[nvme][t];
+        w += m.bytes[t][nvme];
+      }
+      return std::pair{r, w};
+    };
+    torch::manual_seed(62);
+    for (int s = 0; s < 6; ++s) {
+      const torch::Tensor x = torch::randn({16, 32}), y = torch::randn({16, 32});
+      const auto [r0, w0] = read_written();
+      const StepResult res = engine->train_step(
+          [&] { return torch::mse_loss(model->forward(engine->to_device(x)).to(torch::kFloat32), y); });
+      ASSERT_TRUE(res.stepped) << name << " step " << s;
+      const auto [r1, w1] = read_written();
+      if (s < 2) continue;
+      EXPECT_EQ(res.updated_in_backward, static_cast<int>(engine->num_families())) << name << " step " << s;
+      EXPECT_GE(r1 - r0 + w1 - w0, bound.one_step.total()) << name << " step " << s;
+      EXPECT_LE(r1 - r0, most->read) << name << " step " << s;
+      EXPECT_LE(w1 - w0, most->written) << name << " step " << s;
+      std::printf("%s step %d: read %llu, written %llu; least %llu each way, most %llu\n", name, s,
+                  static_cast<unsigned long long>(r1 - r0), static_cast<unsigned long long>(w1 - w0),
+                  static_cast<unsigned long long>(bound.steady.read), static_cast<unsigned long long>(most->read));
+    }
+    expect_within_budgets(*engine, name);
+    engine.reset();
+    std::filesystem::remove_all(dir);
   }
 }
 

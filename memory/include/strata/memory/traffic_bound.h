@@ -4,6 +4,7 @@
 // beside each step, and what the engine's own moves are checked against.
 
 #include <cstdint>
+#include <optional>
 
 namespace strata::memory {
 
@@ -41,11 +42,41 @@ namespace strata::memory {
 // again for recomputation and backward come on top: the bounds count none.
 // A step skipped for overflow updates nothing, and the bounds do not hold
 // for it; with gradient accumulation they are per optimizer step.
+// Note [What an update in backward cannot keep]
+// The bound without a global fact assumes all of M holds state from one
+// step to the next. The engine's updates in backward (EngineOptions::
+// update_in_backward) keep it on the host tier only, in chunks, and the
+// host also holds, at some moment of every step, what the step works on:
+//   S  the chunks that live between steps, in pages (Chunk::alloc_bytes): the
+//      parameter chunks (in mixed precision the compute copies, which E
+//      does not count, beside the fp32 masters) and the optimizer state;
+//   H  the host tier's budget (the device tier holds compute copies and
+//      gradients on their way, not state across steps);
+//   F  the most one family's update holds at once: its parameter, master,
+//      optimizer state and gradient chunks.
+// Backward holds at most three families' worth beside the state: the
+// family being updated, the next one's state read ahead, and the gradients
+// of the one waiting for its update and of the one backward is filling
+// (two gradients are less than one family). So at least H - 3F of S stays
+// on host across steps. The rest is read once and written once: the
+// updated optimizer state and masters leave before any parameter (Note
+// [Updated optimizer state leaves before parameters]), so when the
+// parameter chunks P (compute copies in mixed precision) fit in H - 3F
+// they are read by no step, and a steady step of updates in backward moves
+// at most S - (H - 3F) each way. Its excess over the bound, E - M, is then
+// C + padding + D + 3F: the compute copies, the chunks' padding, the
+// device budget and the working set. When P does not fit, forward and
+// backward may each read parameters, and there is no such ceiling.
 struct StepState {
   uint64_t persistent = 0;  // E
   uint64_t gradients = 0;   // G
   uint64_t memory = 0;      // M
   bool global_barrier = true;  // exact clipping or the overflow check
+  // Note [What an update in backward cannot keep]; 0 where not known.
+  uint64_t stored = 0;          // S
+  uint64_t parameters = 0;      // P
+  uint64_t host = 0;            // H
+  uint64_t largest_update = 0;  // F
 };
 
 struct Traffic {
@@ -62,5 +93,10 @@ struct TrafficBound {
 
 /// The bounds of Note [The least traffic of a step].
 TrafficBound least_step_traffic(const StepState& state);
+
+/// The most a steady step of updates in backward moves each way (Note [What
+/// an update in backward cannot keep]): S - (H - 3F); none when the
+/// parameter chunks do not fit in H - 3F, or S is not known.
+std::optional<Traffic> most_traffic_updating_in_backward(const StepState& state);
 
 }  // namespace strata::memory
