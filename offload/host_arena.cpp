@@ -19,6 +19,24 @@
 #include "strata/offload/cuda_runtime.h"
 #include "strata/offload/topology.h"
 
+// Note [The process heap keeps its freed pages]
+// Linking strata makes jemalloc the process's malloc, so LibTorch's own
+// tensors (activations, gradients before they reach their chunk, matmul
+// outputs) come from its default arenas. By default those return freed
+// pages to the kernel within seconds (dirty_decay_ms 10000, then muzzy), and
+// a training step allocates the same sizes again every step, so each step
+// faulted its working memory back in page by page. On this project's VMs a
+// page fault is expensive: plain LibTorch on examples/gpt's 128x4 model took
+// 119.5-121.9 ms a step with the default and 59.8 ms with freed pages kept,
+// strata at a quarter of the model state on the device 1.23-1.32x of it
+// against 1.03x, and the resident compute floor of `strata bench scale`
+// fell 4x (docs/scale.md). So the default here keeps freed pages for
+// reuse: resident memory stays at the heap's peak, which every step
+// reaches anyway. MALLOC_CONF in the environment still overrides it (read
+// after this string). The host arena is not affected: it never hands pages
+// back through jemalloc's decay (Note [Resident memory within the tier]).
+const char* malloc_conf = "dirty_decay_ms:-1,muzzy_decay_ms:-1";
+
 namespace strata::offload {
 
 // See Note [Host memory from extent hooks]. `hooks` must stay the first member:
