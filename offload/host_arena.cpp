@@ -35,6 +35,9 @@
 // reaches anyway. MALLOC_CONF in the environment still overrides it (read
 // after this string). The host arena is not affected: it never hands pages
 // back through jemalloc's decay (Note [Resident memory within the tier]).
+// The string lives in this file because every program with chunk memory
+// links it: in a file of its own, the static library's member holding it
+// would never be pulled into the link (nothing in strata refers to it).
 const char* malloc_conf = "dirty_decay_ms:-1,muzzy_decay_ms:-1";
 
 namespace strata::offload {

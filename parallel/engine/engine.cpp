@@ -455,13 +455,12 @@ memory::StepState Engine::step_state() const {
   // Note [What an update in backward cannot keep]
   const auto bytes = [&](ChunkId c) { return static_cast<uint64_t>(ctx.mgr->chunk(c).alloc_bytes()); };
   for (const memory::FamilyId id : ctx.families) {
-    const uint64_t param = bytes(ctx.step_param(id));
-    uint64_t state = 0;
-    for (ChunkId c : ctx.optim_members(id)) state += bytes(c);
-    s.parameters += param;
-    s.stored += param + state;
-    const ChunkId grad = ctx.step_grad(id);
-    s.largest_update = std::max(s.largest_update, param + state + (grad == ctx.step_param(id) ? 0 : bytes(grad)));
+    const ChunkId param = ctx.step_param(id), grad = ctx.step_grad(id);
+    uint64_t kept = bytes(param);  // between steps: the parameters and the optimizer state
+    s.parameters += kept;
+    for (ChunkId c : ctx.optim_members(id)) kept += bytes(c);
+    s.stored += kept;
+    s.largest_update = std::max(s.largest_update, kept + (grad == param ? 0 : bytes(grad)));
   }
   s.host = ctx.mgr->tier_stats(Tier::kHost).budget;
   return s;

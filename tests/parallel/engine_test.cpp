@@ -22,14 +22,18 @@
 namespace strata::parallel {
 namespace {
 
-// Bytes the chunk manager moved into and out of the NVMe tier so far.
-uint64_t nvme_traffic(const Engine& engine) {
+// Bytes the chunk manager read from and wrote to the NVMe tier so far.
+memory::Traffic nvme_moves(const Engine& engine) {
   const memory::MoveStats m = engine.move_stats();
   const auto nvme = static_cast<size_t>(memory::Tier::kNvme);
-  uint64_t bytes = 0;
-  for (int t = 0; t < memory::kNumTiers; ++t) bytes += m.bytes[nvme][t] + m.bytes[t][nvme];
-  return bytes;
+  memory::Traffic moved;
+  for (int t = 0; t < memory::kNumTiers; ++t) {
+    moved.read += m.bytes[nvme][t];
+    moved.written += m.bytes[t][nvme];
+  }
+  return moved;
 }
+uint64_t nvme_traffic(const Engine& engine) { return nvme_moves(engine).total(); }
 
 // Every tier's peak within its budget, by the engine's own accounting.
 void expect_within_budgets(const Engine& engine, const std::string& what = "") {
@@ -752,37 +756,28 @@ TEST(Engine, UpdatesInBackwardMoveAtMostWhatTheHostCannotKeep) {
                       << st.largest_update << " bytes each) in the host (" << st.host << ")";
     ASSERT_GT(bound.steady.total(), 0u) << name << ": the test must spill to NVMe";
     EXPECT_LE(bound.steady.read, most->read) << name;
-    const auto nvme = static_cast<size_t>(memory::Tier::kNvme);
-    const auto read_written = [&] {
-      const memory::MoveStats m = engine->move_stats();
-      uint64_t r = 0, w = 0;
-      for (int t = 0; t < memory::kNumTiers; ++t) {
-        r += m.bytes[nvme][t];
-        w += m.bytes[t][nvme];
-      }
-      return std::pair{r, w};
-    };
     const auto param_reads = [&] {
       return engine->move_stats().nvme_read_by_role[static_cast<size_t>(memory::ChunkRole::kParam)];
     };
     torch::manual_seed(62);
     for (int s = 0; s < 6; ++s) {
       const torch::Tensor x = torch::randn({16, 32}), y = torch::randn({16, 32});
-      const auto [r0, w0] = read_written();
+      const memory::Traffic before = nvme_moves(*engine);
       const uint64_t params_read = param_reads();
       const StepResult res = engine->train_step(
           [&] { return torch::mse_loss(model->forward(engine->to_device(x)).to(torch::kFloat32), y); });
       ASSERT_TRUE(res.stepped) << name << " step " << s;
-      const auto [r1, w1] = read_written();
+      const memory::Traffic after = nvme_moves(*engine);
+      const uint64_t read = after.read - before.read, written = after.written - before.written;
       if (s < 2) continue;
       EXPECT_EQ(res.updated_in_backward, static_cast<int>(engine->num_families())) << name << " step " << s;
-      EXPECT_GE(r1 - r0 + w1 - w0, bound.one_step.total()) << name << " step " << s;
-      EXPECT_LE(r1 - r0, most->read) << name << " step " << s;
-      EXPECT_LE(w1 - w0, most->written) << name << " step " << s;
+      EXPECT_GE(read + written, bound.one_step.total()) << name << " step " << s;
+      EXPECT_LE(read, most->read) << name << " step " << s;
+      EXPECT_LE(written, most->written) << name << " step " << s;
       EXPECT_EQ(param_reads(), params_read) << name << " step " << s << ": the parameters stay on host (Note [Updated "
                                             << "optimizer state leaves before parameters])";
       std::printf("%s step %d: read %llu, written %llu; least %llu each way, most %llu\n", name, s,
-                  static_cast<unsigned long long>(r1 - r0), static_cast<unsigned long long>(w1 - w0),
+                  static_cast<unsigned long long>(read), static_cast<unsigned long long>(written),
                   static_cast<unsigned long long>(bound.steady.read), static_cast<unsigned long long>(most->read));
     }
     expect_within_budgets(*engine, name);
