@@ -7,6 +7,8 @@
 #include <cerrno>
 #include <atomic>
 #include <cstring>
+#include <fstream>
+#include <string>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -42,6 +44,16 @@ const char* malloc_conf = "dirty_decay_ms:-1,muzzy_decay_ms:-1";
 
 namespace strata::offload {
 
+uint64_t transparent_huge_page_bytes() {
+  std::ifstream enabled("/sys/kernel/mm/transparent_hugepage/enabled");
+  std::string modes;
+  if (!std::getline(enabled, modes) || modes.find("[never]") != std::string::npos) return 0;
+  std::ifstream size("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size");
+  uint64_t bytes = 0;
+  if (!(size >> bytes) || bytes == 0 || (bytes & (bytes - 1)) != 0) return 0;
+  return bytes;
+}
+
 // See Note [Host memory from extent hooks]. `hooks` must stay the first member:
 // jemalloc hands the hook functions the extent_hooks_t pointer it was given,
 // and they cast it back to the Impl.
@@ -65,15 +77,29 @@ struct HostArena::Impl {
   std::atomic<uint64_t> allocated_bytes{0};
 
   // Note [Large chunks from one reservation]: unpinned, allocations of at
-  // least kLargeBytes come from `large` over address space reserved once.
+  // least kLargeBytes come from address space reserved once; Note [Huge
+  // pages for large chunks]: those that round up to whole huge pages by at
+  // most 1/kMostHugeRounding of their size from a second reservation backed
+  // by transparent huge pages.
   static constexpr size_t kLargeBytes = size_t{1} << 20;
+  static constexpr uint64_t kMostHugeRounding = 16;
   static constexpr uint64_t kReserveBytes = uint64_t{1} << 40;  // 1 TiB of addresses, no memory
+  struct Region {
+    char* base = nullptr;
+    uint64_t align = 0;
+    std::optional<ExtentAllocator> extents;
+  };
   bool large_tried = false;
-  char* reserve = nullptr;
-  std::optional<ExtentAllocator> large;
-  std::unordered_map<void*, Extent> large_live;
-  // Note [Resident memory within the tier]: the reservation's ranges that
-  // may be resident (handed out since last released), start -> end, merged.
+  Region small_pages, huge_pages;
+  struct Live {
+    Region* region;
+    Extent extent;
+  };
+  std::unordered_map<void*, Live> large_live;
+  uint64_t large_live_bytes = 0;  // the extents of large_live
+  uint64_t huge_live_bytes = 0;   // those in huge_pages
+  // Note [Resident memory within the tier]: the reservations' ranges that
+  // may be resident (handed out since last released), by address: start -> end, merged.
   std::map<uint64_t, uint64_t> resident;
   uint64_t resident_bytes = 0;
   uint64_t released_bytes = 0;
@@ -91,9 +117,10 @@ struct HostArena::Impl {
     resident_bytes += end - begin;
   }
 
-  // Releases the resident pages of free range [begin, end), at most `want`
-  // bytes of them (in whole alignment units), from the top; returns the bytes released.
-  uint64_t release(uint64_t begin, uint64_t end, uint64_t want) {
+  // Releases the resident pages of free range [begin, end) (addresses), at
+  // most `want` bytes of them (in whole units of `align`), from the top;
+  // returns the bytes released.
+  uint64_t release(uint64_t begin, uint64_t end, uint64_t want, uint64_t align) {
     uint64_t done = 0;
     while (done < want) {
       auto it = resident.lower_bound(end);  // the first range starting at or above `end`
@@ -101,8 +128,8 @@ struct HostArena::Impl {
       --it;
       if (it->second <= begin) break;
       const uint64_t lo = std::max(it->first, begin), hi = std::min(it->second, end);
-      const uint64_t from = hi - std::min(hi - lo, round_up(want - done, options.alignment));
-      if (madvise(reserve + from, hi - from, MADV_DONTNEED) != 0) {
+      const uint64_t from = hi - std::min(hi - lo, round_up(want - done, align));
+      if (madvise(reinterpret_cast<void*>(from), hi - from, MADV_DONTNEED) != 0) {
         STRATA_LOG(kWarn, "host arena: madvise(MADV_DONTNEED) of {} failed ({}); the arena stays above its "
                    "resident limit", format_bytes(hi - from), std::strerror(errno));
         break;
@@ -120,41 +147,72 @@ struct HostArena::Impl {
 
   // Brings the resident bytes back within the limit by releasing free
   // ranges, highest first, so low addresses (where first fit allocates)
-  // stay warm.
+  // stay warm; the huge-page region's first, whose pages fault back in 512
+  // at a time.
   // jemalloc's own mappings (small chunks, the arena's metadata) count too.
   void release_over_limit() {
     const auto over = [&] { return mapped_bytes + resident_bytes > options.resident_limit; };
     if (options.resident_limit == 0 || !over()) return;
-    const auto& free = large->free_in(0);
-    for (auto it = free.rbegin(); it != free.rend() && over(); ++it) {
-      released_bytes +=
-          release(it->first, it->first + it->second, mapped_bytes + resident_bytes - options.resident_limit);
+    for (Region* r : {&huge_pages, &small_pages}) {
+      if (!r->extents) continue;
+      const auto& free = r->extents->free_in(0);
+      for (auto it = free.rbegin(); it != free.rend() && over(); ++it) {
+        const uint64_t begin = reinterpret_cast<uint64_t>(r->base) + it->first;
+        released_bytes +=
+            release(begin, begin + it->second, mapped_bytes + resident_bytes - options.resident_limit, r->align);
+      }
     }
   }
 
-  // From the reservation, or nullptr to use jemalloc (pinned arenas, small
+  void reserve(Region& r, uint64_t align, bool huge) {
+    void* base = mmap(nullptr, kReserveBytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                      -1, 0);
+    if (base == MAP_FAILED) return;
+    if (huge && madvise(base, kReserveBytes, MADV_HUGEPAGE) != 0) {
+      munmap(base, kReserveBytes);
+      return;
+    }
+    // 4 KiB extents stay in 4 KiB pages where the kernel's mode is "always":
+    // a huge page would make a whole 2 MiB resident for a part handed out.
+    if (!huge) madvise(base, kReserveBytes, MADV_NOHUGEPAGE);
+    r.base = static_cast<char*>(base);
+    r.align = align;
+    r.extents.emplace(std::vector<uint64_t>{kReserveBytes}, align);
+  }
+
+  // From a reservation, or nullptr to use jemalloc (pinned arenas, small
   // sizes, no reservation, or none of it fits).
   void* allocate_large(size_t bytes) {
     if (bytes < kLargeBytes) return nullptr;
     std::lock_guard<std::mutex> lock(mutex);
     if (!large_tried) {
       large_tried = true;
-      const bool pinning = options.pin && !cuda::probe().devices.empty();
-      if (!pinning) {
-        void* r = mmap(nullptr, kReserveBytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
-                       -1, 0);
-        if (r != MAP_FAILED) {
-          reserve = static_cast<char*>(r);
-          large.emplace(std::vector<uint64_t>{kReserveBytes}, options.alignment);
-        }
+      if (!(options.pin && !cuda::probe().devices.empty())) {  // pinned arenas map per extent (jemalloc)
+        reserve(small_pages, options.alignment, false);
+        const uint64_t huge = options.huge_pages ? transparent_huge_page_bytes() : 0;
+        if (huge >= options.alignment && huge <= (size_t{8} << 20)) reserve(huge_pages, huge, true);
       }
     }
-    if (!large) return nullptr;
-    const std::optional<Extent> e = large->allocate(round_up(bytes, options.alignment));
+    Region* region = &small_pages;
+    uint64_t rounded = round_up(bytes, options.alignment);
+    const uint64_t whole = huge_pages.extents ? round_up(bytes, huge_pages.align) : 0;
+    if (huge_pages.extents && bytes >= huge_pages.align && (whole - bytes) * kMostHugeRounding <= bytes) {
+      // Whole huge pages, unless their rounding could take the live
+      // extents past the limit even with every free range released.
+      if (options.resident_limit == 0 || mapped_bytes + large_live_bytes + whole <= options.resident_limit) {
+        region = &huge_pages;
+        rounded = whole;
+      }
+    }
+    if (!region->extents) return nullptr;
+    const std::optional<Extent> e = region->extents->allocate(rounded);
     if (!e) return nullptr;
-    void* ptr = reserve + e->offset;
-    large_live.emplace(ptr, *e);
-    add_resident(e->offset, e->offset + e->bytes);
+    void* ptr = region->base + e->offset;
+    large_live.emplace(ptr, Live{region, *e});
+    large_live_bytes += e->bytes;
+    if (region == &huge_pages) huge_live_bytes += e->bytes;
+    const uint64_t begin = reinterpret_cast<uint64_t>(ptr);
+    add_resident(begin, begin + e->bytes);
     release_over_limit();
     allocated_bytes += e->bytes;
     return ptr;
@@ -163,9 +221,12 @@ struct HostArena::Impl {
     std::lock_guard<std::mutex> lock(mutex);
     const auto it = large_live.find(ptr);
     if (it == large_live.end()) return false;
-    allocated_bytes -= it->second.bytes;
+    const Live& l = it->second;
+    allocated_bytes -= l.extent.bytes;
+    large_live_bytes -= l.extent.bytes;
+    if (l.region == &huge_pages) huge_live_bytes -= l.extent.bytes;
     try {
-      large->free(it->second);
+      l.region->extents->free(l.extent);
     } catch (...) {  // cannot happen: the extent was handed out once
     }
     large_live.erase(it);
@@ -277,7 +338,9 @@ HostArena::~HostArena() {
     return;
   }
   impl_->release_mappings();
-  if (impl_->reserve != nullptr) munmap(impl_->reserve, Impl::kReserveBytes);
+  for (const Impl::Region* r : {&impl_->small_pages, &impl_->huge_pages}) {
+    if (r->base != nullptr) munmap(r->base, Impl::kReserveBytes);
+  }
 }
 
 void* HostArena::allocate(size_t bytes) {
@@ -306,6 +369,7 @@ HostArenaStats HostArena::stats() const {
   HostArenaStats s;
   s.mapped_bytes = impl_->mapped_bytes + impl_->resident_bytes;
   s.released_bytes = impl_->released_bytes;
+  s.huge_page_bytes = impl_->huge_live_bytes;
   s.allocated_bytes = impl_->allocated_bytes.load();
   s.mappings = impl_->mappings.size();
   s.pinned = !impl_->mappings.empty() && impl_->all_pinned;

@@ -213,8 +213,12 @@ void run_nvme_bench(const NvmeBenchOptions& o) {
 }  // namespace
 
 std::pair<double, double> nvme_store_gbps(const std::string& dir, uint64_t bytes) {
+  // At the queue depth the engine's store runs (its default): at 8 this
+  // disk probed at 1.42 GB/s writing and 1.64 reading, at 32 2.16 and
+  // 2.29, and the 3B steps moved their bytes faster than the shallower
+  // probe said any schedule could.
   constexpr size_t kBlock = 8 << 20;
-  constexpr unsigned kDepth = 8;
+  const unsigned kDepth = offload::NvmeStoreOptions{}.queue_depth;
   bytes = std::max<uint64_t>(bytes / kBlock, 1) * kBlock;
   std::unique_ptr<char, AlignedFree> buf(static_cast<char*>(std::aligned_alloc(4096, kBlock * kDepth)));
   STRATA_CHECK(buf != nullptr, "cannot allocate the benchmark's buffer");

@@ -39,7 +39,8 @@ void add_bench_scale_command(CLI::App& bench);
 /// `strata bench checkpoint` (needs LibTorch: built only with it).
 void add_bench_checkpoint_command(CLI::App& bench);
 /// The NVMe store's raw {write, read} GB/s over `bytes` in `dir` (8 MiB
-/// blocks, 8 in flight): the ceiling other benchmarks print beside theirs.
+/// blocks at the store's default queue depth, as many in flight): the
+/// ceiling other benchmarks print beside theirs.
 std::pair<double, double> nvme_store_gbps(const std::string& dir, uint64_t bytes);
 
 }  // namespace strata::tools

@@ -1,6 +1,7 @@
 #include "strata/offload/host_arena.h"
 
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 
 #include <cstdint>
 #include <algorithm>
@@ -78,6 +79,7 @@ TEST(HostArena, FreedMemoryIsReusedNotRemapped) {
 TEST(HostArena, FreedNeighboursServeALargerChunk) {
   HostArenaOptions o;
   o.pin = false;
+  o.huge_pages = false;  // 8 MiB would fill whole huge pages: another region (Note [Huge pages for large chunks])
   HostArena arena(o);
   void* a = arena.allocate(3 << 20);
   void* b = arena.allocate(5 << 20);
@@ -106,9 +108,10 @@ uint64_t vm_rss() {
 // Chunks of many sizes coming and going, never more than `live_limit` live
 // at once; every block filled with its tag and checked when freed. Returns
 // the most resident bytes the arena reported after any allocation.
-uint64_t churn(HostArena& arena, uint64_t live_limit, uint64_t check_limit) {
+uint64_t churn(HostArena& arena, uint64_t live_limit, uint64_t check_limit, size_t min_mib = 1, size_t max_mib = 24,
+               int ops = 240) {
   std::mt19937 rng(11);
-  std::uniform_int_distribution<size_t> mib(1, 24);
+  std::uniform_int_distribution<size_t> mib(min_mib, max_mib);
   struct Block {
     unsigned char* p;
     size_t bytes;
@@ -124,7 +127,7 @@ uint64_t churn(HostArena& arena, uint64_t live_limit, uint64_t check_limit) {
     live_bytes -= b.bytes;
     live.erase(live.begin() + static_cast<std::ptrdiff_t>(i));
   };
-  for (int op = 0; op < 240; ++op) {
+  for (int op = 0; op < ops; ++op) {
     const size_t bytes = mib(rng) << 20;
     while (live_bytes + bytes > live_limit) free_one(rng() % live.size());
     auto* p = static_cast<unsigned char*>(arena.allocate(bytes));
@@ -134,7 +137,9 @@ uint64_t churn(HostArena& arena, uint64_t live_limit, uint64_t check_limit) {
     live_bytes += bytes;
     const uint64_t resident = arena.stats().mapped_bytes;
     most = std::max(most, resident);
-    if (check_limit != 0) EXPECT_LE(resident, check_limit) << "after allocation " << op;
+    if (check_limit != 0) {
+      EXPECT_LE(resident, check_limit) << "after allocation " << op;
+    }
   }
   while (!live.empty()) free_one(live.size() - 1);
   return most;
@@ -149,6 +154,7 @@ TEST(HostArena, ResidentBytesStayWithinTheLimitUnderMixedSizeChurn) {
   constexpr uint64_t kLive = uint64_t{96} << 20;
   HostArenaOptions o;
   o.pin = false;
+  o.huge_pages = false;  // exactly within the limit: no huge-page rounding (HugePageRoundingStaysWithinTheLimit)
   {
     HostArena unbounded(o);
     const uint64_t most = churn(unbounded, kLive, 0);
@@ -173,6 +179,80 @@ TEST(HostArena, ResidentBytesStayWithinTheLimitUnderMixedSizeChurn) {
   constexpr uint64_t kShadow = 0;
 #endif
   EXPECT_LE(vm_rss(), rss_before + kLive + kShadow + (uint64_t{16} << 20)) << "the released pages left the process";
+}
+
+uint64_t minor_faults() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return static_cast<uint64_t>(u.ru_minflt);
+}
+
+// Note [Huge pages for large chunks]: a large chunk lies in whole huge
+// pages and faults in a few times per huge page, not once per 4 KiB page as
+// with the option off.
+TEST(HostArena, LargeChunksFaultInHugePages) {
+  const uint64_t huge = transparent_huge_page_bytes();
+  if (huge == 0 || huge > (size_t{8} << 20)) GTEST_SKIP() << "the kernel offers no transparent huge pages";
+  constexpr size_t kBytes = size_t{64} << 20;
+  constexpr uint64_t kSmallPageFaults = kBytes / 4096;
+  for (bool on : {true, false}) {
+    HostArenaOptions o;
+    o.pin = false;
+    o.huge_pages = on;
+    HostArena arena(o);
+    if (on && !cuda::probe().devices.empty()) GTEST_SKIP() << "a CUDA device: the arena pins, with 4 KiB pages";
+    void* p = arena.allocate(kBytes);
+    const uint64_t before = minor_faults();
+    std::memset(p, 7, kBytes);
+    const uint64_t faults = minor_faults() - before;
+    if (on) {
+      EXPECT_TRUE(aligned(p, huge));
+      EXPECT_EQ(arena.stats().huge_page_bytes, kBytes);
+      EXPECT_LT(faults, kSmallPageFaults / 4) << "a 64 MiB chunk in huge pages faulted like 4 KiB pages";
+    } else {
+      EXPECT_EQ(arena.stats().huge_page_bytes, 0u);
+      EXPECT_GT(faults, kSmallPageFaults / 2) << "the 4 KiB baseline should fault once a page, or this tests nothing";
+    }
+    arena.deallocate(p);
+  }
+}
+
+// A chunk whose rounding to whole huge pages would take the live chunks
+// past the limit takes 4 KiB pages, and the arena passes its limit by no
+// more than the live chunks' rounding; churn of large chunks stays within
+// the limit (and the rounding), in RSS too.
+TEST(HostArena, HugePageRoundingStaysWithinTheLimit) {
+  const uint64_t huge = transparent_huge_page_bytes();
+  if (huge == 0 || huge > (size_t{8} << 20) || !cuda::probe().devices.empty()) GTEST_SKIP() << "no huge-page path";
+  HostArenaOptions o;
+  o.pin = false;
+  const uint64_t own = HostArena(o).stats().mapped_bytes;
+  constexpr size_t kOdd = (size_t{33} << 20) + 4096;  // rounds up to whole huge pages
+  o.resident_limit = own + 3 * kOdd + 8192;
+  {
+    HostArena arena(o);
+    void* a = arena.allocate(kOdd);
+    void* b = arena.allocate(kOdd);
+    void* c = arena.allocate(kOdd);  // a third rounded chunk would pass the limit
+    const uint64_t rounded = (kOdd + huge - 1) / huge * huge;
+    EXPECT_EQ(arena.stats().huge_page_bytes, 2 * rounded);
+    EXPECT_LE(arena.stats().mapped_bytes, o.resident_limit + 2 * (rounded - kOdd)) << "beyond the live rounding";
+    for (void* p : {a, b, c}) arena.deallocate(p);
+  }
+  constexpr uint64_t kLive = uint64_t{320} << 20;
+  o.resident_limit = kLive;
+  HostArena bounded(o);
+  const uint64_t rss_before = vm_rss();
+  // Live chunks 16 MiB below the limit: at most ten of 32-80 MiB, each rounded by at most 1 MiB.
+  const uint64_t most = churn(bounded, kLive - bounded.stats().mapped_bytes - (uint64_t{16} << 20), kLive, 32, 80, 60);
+  EXPECT_LE(most, kLive);
+  EXPECT_EQ(bounded.stats().allocated_bytes, 0u);
+#if defined(__SANITIZE_ADDRESS__)
+  constexpr uint64_t kShadow = kLive / 8;
+#else
+  constexpr uint64_t kShadow = 0;
+#endif
+  EXPECT_LE(vm_rss(), rss_before + kLive + kShadow + (uint64_t{16} << 20)) << "huge pages held beyond the limit";
 }
 
 TEST(HostArena, ArenasAreSeparate) {
