@@ -208,10 +208,11 @@ TEST(HostArena, LargeChunksFaultInHugePages) {
     if (on) {
       EXPECT_TRUE(aligned(p, huge));
       EXPECT_EQ(arena.stats().huge_page_bytes, kBytes);
-      EXPECT_LT(faults, kSmallPageFaults / 4) << "a 64 MiB chunk in huge pages faulted like 4 KiB pages";
+      // Half: a huge page the kernel cannot assemble (no contiguous memory) falls back to 4 KiB pages.
+      EXPECT_LT(faults, kSmallPageFaults / 2) << "a 64 MiB chunk in huge pages faulted like 4 KiB pages";
     } else {
       EXPECT_EQ(arena.stats().huge_page_bytes, 0u);
-      EXPECT_GT(faults, kSmallPageFaults / 2) << "the 4 KiB baseline should fault once a page, or this tests nothing";
+      EXPECT_GT(faults, kSmallPageFaults * 9 / 10) << "the 4 KiB baseline should fault once a page, or this tests nothing";
     }
     arena.deallocate(p);
   }
