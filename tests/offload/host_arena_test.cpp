@@ -105,6 +105,24 @@ uint64_t vm_rss() {
   return 0;
 }
 
+// The process's RSS at most `limit` (and 16 MiB) above `before`; under
+// AddressSanitizer, which shadows what was touched, an eighth more.
+void expect_rss_within(uint64_t before, uint64_t limit, const char* what) {
+#if defined(__SANITIZE_ADDRESS__)
+  const uint64_t shadow = limit / 8;
+#else
+  const uint64_t shadow = 0;
+#endif
+  EXPECT_LE(vm_rss(), before + limit + shadow + (uint64_t{16} << 20)) << what;
+}
+
+// The huge page size when an unpinned arena takes huge pages here (Note
+// [Huge pages for large chunks]), else 0.
+uint64_t huge_page_path() {
+  const uint64_t huge = transparent_huge_page_bytes();
+  return huge == 0 || huge > (size_t{8} << 20) || !cuda::probe().devices.empty() ? 0 : huge;
+}
+
 // Chunks of many sizes coming and going, never more than `live_limit` live
 // at once; every block filled with its tag and checked when freed. Returns
 // the most resident bytes the arena reported after any allocation.
@@ -172,13 +190,7 @@ TEST(HostArena, ResidentBytesStayWithinTheLimitUnderMixedSizeChurn) {
   EXPECT_LE(most, kLive);
   EXPECT_GT(bounded.stats().released_bytes, 0u);
   EXPECT_EQ(bounded.stats().allocated_bytes, 0u);
-  // AddressSanitizer shadows what the churn touched: an eighth more.
-#if defined(__SANITIZE_ADDRESS__)
-  constexpr uint64_t kShadow = kLive / 8;
-#else
-  constexpr uint64_t kShadow = 0;
-#endif
-  EXPECT_LE(vm_rss(), rss_before + kLive + kShadow + (uint64_t{16} << 20)) << "the released pages left the process";
+  expect_rss_within(rss_before, kLive, "the released pages left the process");
 }
 
 uint64_t minor_faults() {
@@ -191,8 +203,8 @@ uint64_t minor_faults() {
 // pages and faults in a few times per huge page, not once per 4 KiB page as
 // with the option off.
 TEST(HostArena, LargeChunksFaultInHugePages) {
-  const uint64_t huge = transparent_huge_page_bytes();
-  if (huge == 0 || huge > (size_t{8} << 20)) GTEST_SKIP() << "the kernel offers no transparent huge pages";
+  const uint64_t huge = huge_page_path();
+  if (huge == 0) GTEST_SKIP() << "no huge pages here (none from the kernel, or a CUDA device: the arena pins)";
   constexpr size_t kBytes = size_t{64} << 20;
   constexpr uint64_t kSmallPageFaults = kBytes / 4096;
   for (bool on : {true, false}) {
@@ -200,7 +212,6 @@ TEST(HostArena, LargeChunksFaultInHugePages) {
     o.pin = false;
     o.huge_pages = on;
     HostArena arena(o);
-    if (on && !cuda::probe().devices.empty()) GTEST_SKIP() << "a CUDA device: the arena pins, with 4 KiB pages";
     void* p = arena.allocate(kBytes);
     const uint64_t before = minor_faults();
     std::memset(p, 7, kBytes);
@@ -223,8 +234,8 @@ TEST(HostArena, LargeChunksFaultInHugePages) {
 // more than the live chunks' rounding; churn of large chunks stays within
 // the limit (and the rounding), in RSS too.
 TEST(HostArena, HugePageRoundingStaysWithinTheLimit) {
-  const uint64_t huge = transparent_huge_page_bytes();
-  if (huge == 0 || huge > (size_t{8} << 20) || !cuda::probe().devices.empty()) GTEST_SKIP() << "no huge-page path";
+  const uint64_t huge = huge_page_path();
+  if (huge == 0) GTEST_SKIP() << "no huge pages here (none from the kernel, or a CUDA device: the arena pins)";
   HostArenaOptions o;
   o.pin = false;
   const uint64_t own = HostArena(o).stats().mapped_bytes;
@@ -248,12 +259,7 @@ TEST(HostArena, HugePageRoundingStaysWithinTheLimit) {
   const uint64_t most = churn(bounded, kLive - bounded.stats().mapped_bytes - (uint64_t{16} << 20), kLive, 32, 80, 60);
   EXPECT_LE(most, kLive);
   EXPECT_EQ(bounded.stats().allocated_bytes, 0u);
-#if defined(__SANITIZE_ADDRESS__)
-  constexpr uint64_t kShadow = kLive / 8;
-#else
-  constexpr uint64_t kShadow = 0;
-#endif
-  EXPECT_LE(vm_rss(), rss_before + kLive + kShadow + (uint64_t{16} << 20)) << "huge pages held beyond the limit";
+  expect_rss_within(rss_before, kLive, "huge pages held beyond the limit");
 }
 
 TEST(HostArena, ArenasAreSeparate) {
