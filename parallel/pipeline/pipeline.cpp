@@ -360,6 +360,9 @@ struct Pipeline::Impl {
   // --- the actions ---------------------------------------------------------
 
   std::vector<torch::Tensor> micro_inputs, micro_targets;
+  // Microbatches this step or evaluation runs: m, or, evaluating a batch of
+  // fewer than m samples, one per sample (the rest are skipped).
+  int live = 1;
   std::vector<double> weights, losses;
   double loss_scale = 1.0;
   const LossFn* loss_fn = nullptr;
@@ -478,8 +481,11 @@ struct Pipeline::Impl {
       STRATA_CHECK(target_batch == batch, "the targets hold ", target_batch, " samples but the inputs ", batch,
                    ": both need the whole batch");
     }
-    STRATA_CHECK(batch >= m, "a batch of ", batch, " samples cannot make ", m,
+    STRATA_CHECK(batch >= m || !training, "a batch of ", batch, " samples cannot make ", m,
                  " microbatches: use a batch of at least ", m, " or fewer microbatches");
+    STRATA_CHECK(batch >= 1, "the inputs hold no sample: ", training ? "a step" : "an evaluation",
+                 " needs at least one");
+    live = static_cast<int>(std::min<int64_t>(m, batch));
     sig[kSig - 1] = 0;  // the targets' part: checked, not part of the shapes
     if (sig != signature) {
       signature = sig;
@@ -498,6 +504,7 @@ struct Pipeline::Impl {
     act_order.clear();
     grad_order.clear();
     for (const Action& a : actions) {
+      if (a.microbatch >= live) continue;
       if (a.kind == ActionKind::kForward && !first_stage(a.stage)) act_order.push_back({a.stage, a.microbatch});
       if (training && (a.kind == ActionKind::kBackward || a.kind == ActionKind::kBackwardInput) && !last_stage(a.stage)) {
         grad_order.push_back({a.stage + 1, a.microbatch});
@@ -713,7 +720,7 @@ torch::Tensor Pipeline::forward(const torch::Tensor& inputs) {
   auto body = [&] {
     torch::NoGradGuard no_grad;
     for (const Action& a : d.actions) {
-      if (a.kind == ActionKind::kForward) d.forward(a.stage, a.microbatch, &outputs);
+      if (a.kind == ActionKind::kForward && a.microbatch < d.live) d.forward(a.stage, a.microbatch, &outputs);
     }
     d.end_step();
     return outputs.empty() ? torch::zeros({1}) : torch::cat(outputs, 0);

@@ -79,8 +79,6 @@ Trainer::Trainer(torch::nn::Sequential model, const DeviceMesh& mesh, const Hybr
   STRATA_CHECK(plan_.tp.size == 1 || !plan_.tp.layers.empty(), "tp ", plan_.tp.size, " in mode ",
                tensor_mode_name(plan_.tp.mode), " needs the plan's tensor layers (parallelize()'s module plan: which "
                "Linear and Embedding submodules split how)");
-  STRATA_CHECK(plan_.tp.size > 1 || plan_.tp.layers.empty(), "the plan gives tensor layers but tp is 1: set the "
-               "tensor size, or drop the layers");
   STRATA_CHECK(plan_.pp.size == 1 || static_cast<int64_t>(model_->size()) >= plan_.pp.size * plan_.pp.virtual_stages,
                "the model has ", model_->size(), " layers, fewer than the plan's ",
                plan_.pp.size * plan_.pp.virtual_stages, " pipeline stages");

@@ -356,7 +356,8 @@ int run(const Args& a) {
           "tensor": {{"size": {}, "mode": "{}", "depth": {}, "sequence_parallel": {}{}}},
           "sequence": {{"size": {}, "mode": "{}"}}}})j",
       a.dp, a.zero, a.pp, a.schedule, a.microbatches, a.tp, a.tp_mode, a.depth, a.sequence_parallel ? "true" : "false",
-      a.tp > 1 ? ", \"layers\": " + layers_json(a.sequence_parallel) : std::string(), a.sp, a.sp_mode);
+      // The module plan describes the model, whatever the layout: at tp 1 it is not used.
+      ", \"layers\": " + layers_json(a.sequence_parallel), a.sp, a.sp_mode);
   ModelShape shape;
   shape.hidden = kDim;
   shape.heads = kHeads;

@@ -218,18 +218,20 @@ void train(const Run& run, const Options& opt, bool offload, const std::string& 
   }
   if (opt.checkpoint.empty()) {
     compare(label, pipe.module(), *reference);
-    // Evaluation: every microbatch forward, the output on the last stage.
-    const torch::Tensor x = batch_inputs(99, 0);
-    const torch::Tensor got = pipe.forward(x);
-    if (pipe.rank() == pipe.num_ranks() - 1) {
-      torch::NoGradGuard no_grad;
-      const torch::Tensor want = reference->forward(x);
-      STRATA_CHECK(got.defined() && got.sizes() == want.sizes(), label, ": the pipeline's evaluation output has shape ",
-                   got.defined() ? got.sizes() : torch::IntArrayRef{}, ", one process's ", want.sizes());
-      const double diff = ((got - want).norm() / want.norm()).item<double>();
-      STRATA_CHECK(diff <= 1e-5, label, ": the pipeline's evaluation output differs from one process's by ", diff);
-    } else {
-      STRATA_CHECK(!got.defined(), label, ": pipeline rank ", pipe.rank(), " got an evaluation output");
+    // Evaluation: every microbatch forward, the output on the last stage;
+    // then one sample, fewer than the microbatches (one microbatch runs).
+    for (const torch::Tensor& x : {batch_inputs(99, 0), batch_inputs(98, 0).narrow(0, 0, 1)}) {
+      const torch::Tensor got = pipe.forward(x);
+      if (pipe.rank() == pipe.num_ranks() - 1) {
+        torch::NoGradGuard no_grad;
+        const torch::Tensor want = reference->forward(x);
+        STRATA_CHECK(got.defined() && got.sizes() == want.sizes(), label, ": the pipeline's evaluation output has "
+                     "shape ", got.defined() ? got.sizes() : torch::IntArrayRef{}, ", one process's ", want.sizes());
+        const double diff = ((got - want).norm() / want.norm()).item<double>();
+        STRATA_CHECK(diff <= 1e-5, label, ": the pipeline's evaluation output differs from one process's by ", diff);
+      } else {
+        STRATA_CHECK(!got.defined(), label, ": pipeline rank ", pipe.rank(), " got an evaluation output");
+      }
     }
     std::printf("rank %d: pipeline (%s) matches single-process training: %d steps, stage parameters equal\n",
                 run.pipe_group->rank() + run.dp_rank * run.pipe_group->world_size(), label.c_str(), steps);

@@ -90,7 +90,8 @@ class Pipeline {
   StepResult step(const torch::Tensor& inputs, const torch::Tensor& targets, const LossFn& loss);
   /// Forward only, every microbatch through the stages (evaluation, no
   /// gradients): the last stage's output, concatenated, on the last stage;
-  /// undefined elsewhere.
+  /// undefined elsewhere. A batch of fewer samples than microbatches runs
+  /// one microbatch per sample (a step refuses it).
   torch::Tensor forward(const torch::Tensor& inputs);
 
   /// Engine::save and Engine::load of every stage's engine (collective over

@@ -64,7 +64,8 @@ class Trainer {
   /// Applies `plan` (validated again against the mesh; its dims must be the
   /// mesh's) to `model`. Refuses, before any collective: sequence
   /// parallelism without the plan's sequence_attention in the model, and
-  /// tensor parallelism without a module plan. Every tensor mode splits the
+  /// tensor parallelism without a module plan (a module plan at tp 1 is kept
+  /// and not used, so one plan serves every size). Every tensor mode splits the
   /// unmodified model by the plan's module plan (parallelize()); in the grid
   /// modes (2d, 2.5d, 3d) so do its LayerNorms, and every Linear must be named.
   /// Layers may pass a tuple of tensors between them (pipeline.h).
