@@ -73,6 +73,7 @@ void GradSink::accumulate(size_t index, const torch::Tensor& grad) {
 // accumulate() under the sink's lock.
 void GradSink::add(size_t index, const torch::Tensor& grad) {
   ManagedParam& p = ctx_.params[index];
+  if (reducer_ != nullptr && reducer_->active()) reducer_->check_open(index);
   const ChunkId gc = ctx_.mgr->family(p.family).grad;
   const Tier tier = ctx_.comm_tier();  // Note [Chunks where the communicator reads them]
   ctx_.pin(gc, tier, {p.slot});
@@ -101,7 +102,7 @@ void GradSink::add(size_t index, const torch::Tensor& grad) {
     }
   }
   ctx_.unpin(gc, {p.slot});
-  if (reducer_ != nullptr && reducer_->active()) reducer_->arrived(p.family);
+  if (reducer_ != nullptr && reducer_->active()) reducer_->arrived(index);
 }
 
 void GradSink::track(bool on) {

@@ -8,24 +8,53 @@ GradientReducer::GradientReducer(EngineContext& ctx) : ctx_(ctx) {}
 
 void GradientReducer::begin() {
   std::lock_guard<std::recursive_mutex> lock(mu_);
-  arrived_.assign(ctx_.families.size(), 0);
-  reductions_.assign(ctx_.families.size(), nullptr);
-  cursor_ = ctx_.families.size();
+  const size_t n = ctx_.families.size();
+  reductions_.assign(n, nullptr);
+  cursor_ = n;
+  arrivals_.assign(ctx_.params.size(), 0);
+  // Note [Data parallel gradients]: ready once each trainable parameter has
+  // arrived as often as in the last backward; before one, at the end.
+  const bool learnt = expected_.size() == ctx_.params.size();
+  unsettled_.assign(n, learnt ? 0 : kNever);
+  if (learnt) {
+    for (size_t i = 0; i < ctx_.params.size(); ++i) {
+      if (ctx_.params[i].accumulator == nullptr) continue;  // frozen: never arrives
+      int& u = unsettled_[ctx_.family_pos.at(ctx_.params[i].family)];
+      u = expected_[i] > 0 && u < kNever ? u + 1 : kNever;
+    }
+  }
   active_ = true;
+  issue_ready();  // families with no trainable parameter
 }
 
-void GradientReducer::arrived(memory::FamilyId f) {
+void GradientReducer::check_open(size_t index) {
   std::lock_guard<std::recursive_mutex> lock(mu_);
-  arrived_[ctx_.family_pos.at(f)] += 1;
+  const ManagedParam& p = ctx_.params[index];
+  STRATA_CHECK(ctx_.family_pos.at(p.family) < cursor_, "parameter ", p.name, "'s gradient arrived (",
+               arrivals_[index] + 1, " times in this backward, ", index < expected_.size() ? expected_[index] : 0,
+               " in the one before) after its chunk family's gradients were sent to be summed over the ",
+               ctx_.world(), " data-parallel ranks: the model uses this parameter more often than in the step "
+               "before, and a family's gradients are summed as soon as its parameters have arrived as often as "
+               "then. Use each parameter the same number of times every step");
+}
+
+void GradientReducer::arrived(size_t index) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  const int n = ++arrivals_[index];
+  if (ctx_.params[index].accumulator != nullptr) {
+    int& u = unsettled_[ctx_.family_pos.at(ctx_.params[index].family)];
+    if (u < kNever && n > expected_[index]) {
+      u = kNever;  // more often than before, before its family went: it waits for the end
+    } else if (u < kNever && n == expected_[index]) {
+      --u;
+    }
+  }
   issue_ready();
   if (ctx_.stage >= 2) settle_done();
 }
 
 void GradientReducer::issue_ready() {
-  while (cursor_ > 0 &&
-         arrived_[cursor_ - 1] == ctx_.params_of_chunk.at(ctx_.mgr->family(ctx_.families[cursor_ - 1]).param).size()) {
-    issue(--cursor_);
-  }
+  while (cursor_ > 0 && unsettled_[cursor_ - 1] == 0) issue(--cursor_);
 }
 
 void GradientReducer::issue(size_t pos) {
@@ -129,6 +158,7 @@ void GradientReducer::finish() {
   }
   if (failure) std::rethrow_exception(failure);
   for (size_t i = 0; i < params.size(); ++i) params[i].has_grad = used[i] > 0.0f;
+  expected_ = arrivals_;
 }
 
 }  // namespace strata::parallel

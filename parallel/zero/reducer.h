@@ -27,6 +27,19 @@ namespace strata::parallel {
 // zeros for them, and one more all-reduce (max) of per-parameter "has a
 // gradient" flags tells every rank which parameters any rank used, so all
 // update the same ones. Accumulation micro-steps communicate nothing.
+//
+// "All its gradients are in" is learnt, not guessed, as in Note [Updates in
+// backward]: a parameter's gradient may arrive more than once in one
+// backward (a weight shared by two checkpointed blocks arrives once from
+// each recomputation), and a family reduced at its first parameters'
+// arrivals would be summed without the later ones, which then land in a
+// chunk the reduction is reading. So each backward counts the arrivals of
+// every parameter, and in the next one a family is ready once each of its
+// trainable parameters has arrived as often as then. The first backward
+// reduces every family after it ends; a parameter that then arrives less
+// often holds its family back to the end of backward too. One that arrives
+// more often than before after its family was sent is an error naming it,
+// raised before its gradient touches the chunk.
 class GradientReducer {
  public:
   explicit GradientReducer(EngineContext& ctx);
@@ -35,10 +48,13 @@ class GradientReducer {
   void begin();
   /// Between begin() and finish(): gradients arriving are counted.
   bool active() const { return active_; }
-  /// A gradient of a parameter of family `f` is in its chunk: issues the
-  /// reductions that became ready, in order, and at stages 2-3 releases the
-  /// full gradient chunks whose reduce-scatter completed.
-  void arrived(memory::FamilyId f);
+  /// Before parameter `index`'s gradient is added to its chunk: throws when
+  /// its family's reduction was issued already (see the Note).
+  void check_open(size_t index);
+  /// Parameter `index`'s gradient is in its chunk: issues the reductions
+  /// that became ready, in order, and at stages 2-3 releases the full
+  /// gradient chunks whose reduce-scatter completed.
+  void arrived(size_t index);
   /// After backward: the remaining families and the "has a gradient" flags,
   /// then every reduction waited for. The first failure is rethrown.
   void finish();
@@ -59,7 +75,10 @@ class GradientReducer {
   EngineContext& ctx_;
   std::recursive_mutex mu_;  // settle_oldest may come from a pin inside issue()
   std::atomic<bool> active_{false};  // read by the autograd threads delivering gradients
-  std::vector<size_t> arrived_;  // per family position; complete at params_of_chunk[its param chunk].size()
+  static constexpr int kNever = 1 << 30;  // a family that waits for finish()
+  std::vector<int> arrivals_;   // per parameter, this backward
+  std::vector<int> expected_;   // per parameter, the last backward that finished; empty before one
+  std::vector<int> unsettled_;  // per family position: its trainable parameters short of their arrivals, or kNever
   // Per family position: null before it is issued (positions below cursor_)
   // and again once settled.
   std::vector<WorkHandle> reductions_;

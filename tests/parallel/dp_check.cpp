@@ -43,6 +43,14 @@
 //                   train_step rethrows it and its engine refuses further
 //                   steps; the other ranks fail when their collective times
 //                   out (STRATA_COMM_TIMEOUT)
+//   --reuse         layer b runs twice, in two checkpointed blocks: its
+//                   gradient arrives once from each recomputation, and its
+//                   family is summed over the ranks only after both
+//                   (Note [Data parallel gradients])
+//   --reuse-late    --reuse, the blocks checkpointed from step 2 only: b's
+//                   family, learnt as final after one arrival, is summed
+//                   before the others come, and the step fails on every rank
+//                   naming the parameter
 //   --save-fails    at stage 3, rank 0 cannot write the checkpoint (nor the
 //                   weights): every rank's save() (export_weights()) fails,
 //                   and training goes on in step on every rank
@@ -61,6 +69,7 @@
 
 #include "strata/checkpoint/safetensors.h"
 #include "strata/core/error.h"
+#include "strata/parallel/activation_checkpoint.h"
 #include "strata/parallel/communicator.h"
 #include "strata/parallel/engine.h"
 #include "parallel/test_models.h"
@@ -75,9 +84,22 @@ struct Net : torch::nn::Module {
     side = register_module("side", torch::nn::Linear(64, 64));
     c = register_module("c", torch::nn::Linear(64, 8));
   }
+  bool reuse = false;  // --reuse: b twice, each in a checkpointed block (the reference: the same, unchecked)
+  bool checkpointed = false;
   torch::Tensor forward(const torch::Tensor& x, bool use_side) {
-    torch::Tensor h = torch::relu(b->forward(torch::relu(a->forward(x))));
-    if (use_side) h = h + torch::tanh(side->forward(h));
+    torch::Tensor h = torch::relu(a->forward(x));
+    if (reuse) {
+      const auto block = [&](const torch::Tensor& t) { return torch::relu(b->forward(t)) + t; };
+      h = checkpointed ? checkpoint(block, h) : block(h);
+    }
+    h = torch::relu(b->forward(h));
+    if (reuse) {
+      const auto block = [&](const torch::Tensor& t) { return torch::tanh(b->forward(t)) * t; };
+      h = checkpointed ? checkpoint(block, h) : block(h);
+    }
+    // --reuse takes the side branch on every rank: unused, its family would
+    // hold back b's (families are summed in descending order).
+    if (use_side || reuse) h = h + torch::tanh(side->forward(h));
     return c->forward(h);
   }
 };
@@ -94,6 +116,8 @@ struct Options {
   int throw_at_step = -1;
   bool device_optim = false;  // half the families' optimizer state updated on the device
   bool device_buffers = false;  // the communicator takes device memory, as NCCL (DeviceBufferGloo)
+  bool reuse = false;           // a layer in two checkpointed blocks
+  bool reuse_late = false;      // from step 2 only
 };
 
 // Gloo presented as a communicator of device buffers, as NCCL is: the engine
@@ -154,6 +178,8 @@ Outcome train(const std::shared_ptr<Communicator>& plain, const Options& opt) {
   auto model = std::make_shared<Net>();
   torch::manual_seed(1);
   auto reference = std::make_shared<Net>();  // rank 0's initial weights, as in every rank's reference
+  model->reuse = reference->reuse = opt.reuse || opt.reuse_late;
+  model->checkpointed = !opt.reuse_late;
   if (rank == 0) {
     torch::NoGradGuard g;
     auto src = reference->parameters();
@@ -207,6 +233,20 @@ Outcome train(const std::shared_ptr<Communicator>& plain, const Options& opt) {
           if (s == opt.throw_at_step && rank == 1) throw std::runtime_error("user code failed at step " + std::to_string(s));
           return loss;
         };
+        if (opt.reuse_late && s == 2) {  // b's gradient arrives three times now, once before: refused on every rank
+          model->checkpointed = true;
+          std::string got = "no error";
+          try {
+            engine->train_step(loss_fn);
+          } catch (const strata::Error& e) {
+            got = e.what();
+          }
+          STRATA_CHECK(got.find("the model uses this parameter more often than in the step before") !=
+                           std::string::npos, "rank ", rank, ": a layer used more often than before: ", got);
+          std::printf("rank %d: refused: %s\n", rank, got.substr(0, got.find(" after")).c_str());
+          std::fflush(stdout);
+          std::_Exit(0);  // the engine refuses further steps
+        }
         if (s == opt.throw_at_step && rank == 1) {
           try {
             engine->train_step(loss_fn);
@@ -443,6 +483,8 @@ int main(int argc, char** argv) {
     if (a == "--bf16") bf16 = true;
     if (a == "--mismatch") opt.mismatch = true;
     if (a == "--branches") opt.branches = true;
+    if (a == "--reuse") opt.reuse = true;
+    if (a == "--reuse-late") opt.reuse_late = true;
     if (a == "--between") opt.between = true;
     if (a == "--device-optim") opt.device_optim = true;
     if (a == "--device-buffers") opt.device_buffers = true;
