@@ -78,7 +78,6 @@ Engine::Impl::Impl(torch::nn::Module& module, OptimizerConfig optimizer, EngineO
     STRATA_CHECK(t.scalar_type() == torch::kFloat32, "parameter ", item.key(), " is ", t.scalar_type(),
                  "; attach a module with fp32 parameters and choose the compute precision with "
                  "EngineOptions::precision (fp32, bf16 or fp16)");
-    STRATA_CHECK(t.is_contiguous(), "parameter ", item.key(), " is not contiguous");
     ManagedParam p;
     p.name = item.key();
     p.tensor = t;
@@ -92,7 +91,7 @@ Engine::Impl::Impl(torch::nn::Module& module, OptimizerConfig optimizer, EngineO
   // Buffers and frozen parameters of a lazily constructed module keep memory of their own.
   for (const auto& [name, t] : frozen) materialize(t);
   for (const auto& b : module.buffers(/*recurse=*/true)) materialize(b);
-  for (const auto& [name, t] : frozen) module_state.push_back({name, t, t.scalar_type(), t.device()});
+  for (const auto& [name, t] : frozen) module_state.push_back({name, t, t.scalar_type(), t.device(), true});
   for (const auto& item : module.named_buffers(/*recurse=*/true)) {
     if (!seen.insert(item.value().unsafeGetTensorImpl()).second) continue;  // a buffer shared by two modules
     module_state.push_back({item.key(), item.value(), item.value().scalar_type(), item.value().device()});

@@ -187,6 +187,12 @@ StepResult Engine::Impl::run_step(const std::function<double(double)>& passes,
                                   const std::function<void()>& before_step) {
   Busy hold(*this);
   STRATA_CHECK(poisoned.empty(), poisoned);
+  for (const ModuleState& m : module_state) {
+    STRATA_CHECK(!m.frozen_parameter || !m.tensor.requires_grad(), "parameter ", m.name, " did not require grad "
+                 "when the module was attached, and requires it now: the engine trains the parameters that required "
+                 "grad at attach and would never update this one. Leave it requiring grad at attach (to start it "
+                 "frozen, set requires_grad false after attach: a parameter without a gradient is not updated)");
+  }
   StepResult r;
   r.loss_scale = pipeline->loss_scale();
   boundary_ = (micro_steps + 1) % ctx.options.grad_accumulation == 0;

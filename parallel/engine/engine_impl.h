@@ -96,6 +96,7 @@ struct Engine::Impl final : OpObserver {
     torch::Tensor tensor;
     torch::ScalarType original;
     torch::Device original_device{torch::kCPU};
+    bool frozen_parameter = false;  // a parameter that did not require grad at attach (else a buffer)
   };
   std::vector<ModuleState> module_state;
   int micro_steps = 0;

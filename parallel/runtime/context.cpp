@@ -256,8 +256,10 @@ void move_parameters_into_chunks(EngineContext& ctx) {
     p.storage = c10::make_intrusive<c10::StorageImpl>(c10::StorageImpl::use_byte_size_t(),
                                                       static_cast<size_t>(p.numel) * esize,
                                                       c10::DataPtr(slot, ctx.device), nullptr, false);
+    // Row-major, as `value` was copied: a parameter attached with other strides
+    // (a transposed tensor) keeps its shape and values, and becomes contiguous.
     torch::Tensor view = torch::empty({0}, torch::TensorOptions().dtype(ctx.compute).device(ctx.device))
-                             .set_(c10::Storage(p.storage), 0, p.tensor.sizes(), p.tensor.strides());
+                             .set_(c10::Storage(p.storage), 0, p.tensor.sizes());
     p.tensor.set_data(view);
   }
 }

@@ -165,6 +165,88 @@ TEST(Engine, GeneralModelTrainsLikePlainLibTorch) {
   EXPECT_TRUE(torch::allclose(reference->bn->running_mean, model->bn->running_mean, 1e-5, 1e-6)) << "buffers";
 }
 
+// A parameter attached with strides of its own (a transposed tensor, as
+// register_parameter("w", x.t()) makes): it keeps its shape and values,
+// trains like plain LibTorch, and is contiguous while attached.
+TEST(Engine, NonContiguousParameterTrainsLikePlainLibTorch) {
+  struct Net : torch::nn::Module {
+    Net() {
+      w = register_parameter("w", torch::randn({24, 40}).t());  // [40, 24], strides (1, 40)
+      fc = register_module("fc", torch::nn::Linear(40, 5));
+    }
+    torch::Tensor forward(const torch::Tensor& x) { return fc->forward(torch::tanh(torch::matmul(x, w.t()))); }
+    torch::Tensor w;
+    torch::nn::Linear fc{nullptr};
+  };
+  torch::manual_seed(4);
+  auto reference = std::make_shared<Net>();
+  auto model = std::make_shared<Net>();
+  copy_params(*reference, *model);
+  ASSERT_FALSE(model->w.is_contiguous());
+  torch::optim::SGD opt(reference->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  EngineOptions o;
+  o.budgets = {8 << 10, 1 << 20, 0};  // the device tier holds a part of the model
+  o.chunk_elems = 512;
+  auto engine = attach(*model, OptimizerConfig::sgd(0.1, 0.9), o);
+  EXPECT_EQ(model->w.sizes(), reference->w.sizes());
+  EXPECT_TRUE(torch::equal(model->w, reference->w)) << "attach kept the values";
+  EXPECT_TRUE(model->w.is_contiguous());
+  for (int s = 0; s < 5; ++s) {
+    const torch::Tensor x = torch::randn({6, 24}), y = torch::randn({6, 5});
+    opt.zero_grad();
+    torch::mse_loss(reference->forward(x), y).backward();
+    opt.step();
+    engine->train_step([&] { return torch::mse_loss(model->forward(x), y); });
+  }
+  const double err = ((model->w - reference->w).norm() / reference->w.norm()).item<double>();
+  EXPECT_LT(err, 1e-6);
+  engine.reset();
+  const double after = ((model->w - reference->w).norm() / reference->w.norm()).item<double>();
+  EXPECT_LT(after, 1e-6) << "given back";
+}
+
+// Freezing and unfreezing while attached: a parameter that required grad at
+// attach and is frozen for two steps, then trained again, matches plain
+// LibTorch (a parameter without a gradient is not updated, momentum
+// included); one that was frozen at attach and is unfrozen is refused at the
+// next step, since the engine would never update it.
+TEST(Engine, FreezingWhileAttachedTrainsLikePlainLibTorchAndUnfreezingIsRefused) {
+  torch::manual_seed(5);
+  torch::nn::Sequential reference(torch::nn::Linear(8, 16), torch::nn::Tanh(), torch::nn::Linear(16, 4));
+  torch::nn::Sequential model(torch::nn::Linear(8, 16), torch::nn::Tanh(), torch::nn::Linear(16, 4));
+  copy_params(*reference, *model);
+  torch::optim::SGD opt(reference->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  EngineOptions o;
+  o.budgets = {8 << 10, 1 << 20, 0};
+  o.chunk_elems = 128;
+  const torch::Tensor late = model[2]->as<torch::nn::Linear>()->bias;
+  late.set_requires_grad(false);  // frozen at attach: not managed
+  auto engine = attach(*model, OptimizerConfig::sgd(0.1, 0.9), o);
+  reference[2]->as<torch::nn::Linear>()->bias.set_requires_grad(false);
+  const torch::Tensor first = model[0]->as<torch::nn::Linear>()->weight;
+  for (int s = 0; s < 6; ++s) {
+    const bool frozen = s == 2 || s == 3;
+    first.set_requires_grad(!frozen);
+    reference[0]->as<torch::nn::Linear>()->weight.set_requires_grad(!frozen);
+    const torch::Tensor x = torch::randn({5, 8}), y = torch::randn({5, 4});
+    for (auto& p : reference->parameters()) p.mutable_grad() = torch::Tensor();  // none, not zero: skipped
+    torch::mse_loss(reference->forward(x), y).backward();
+    opt.step();
+    engine->train_step([&] { return torch::mse_loss(model->forward(x), y); });
+  }
+  auto want = reference->named_parameters();
+  for (const auto& item : model->named_parameters()) {
+    const double err = ((item.value() - want[item.key()]).norm() / want[item.key()].norm()).item<double>();
+    EXPECT_LT(err, 1e-6) << item.key();
+  }
+  late.set_requires_grad(true);
+  const std::string e = error_of([&] {
+    engine->train_step([&] { return model->forward(torch::randn({5, 8})).pow(2).mean(); });
+  });
+  EXPECT_NE(e.find("parameter 2.bias did not require grad when the module was attached, and requires it now"),
+            std::string::npos) << e;
+}
+
 TEST(Engine, DeviceBudgetBelowAnOperatorsWorkingSetIsAClearError) {
   auto model = mlp();
   EngineOptions o;
