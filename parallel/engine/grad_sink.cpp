@@ -82,7 +82,12 @@ void GradSink::add(size_t index, const torch::Tensor& grad) {
     const torch::Device where = tier == Tier::kDevice ? ctx_.device : torch::Device(torch::kCPU);
     torch::Tensor dst = torch::from_blob(static_cast<char*>(ctx_.mgr->data(gc)) + p.offset * ctx_.elem_size(),
                                          {p.numel}, torch::TensorOptions().dtype(ctx_.compute).device(where));
-    dst.add_(grad.detach().to(where, ctx_.compute).reshape({p.numel}));
+    const torch::Tensor g = grad.detach().to(where, ctx_.compute);
+    if (g.is_sparse()) {  // an Embedding(sparse=true): its rows added where they go, nothing densified
+      dst.view(g.sizes()).add_(g);
+    } else {
+      dst.add_(g.reshape({p.numel}));
+    }
   } catch (...) {
     ctx_.unpin(gc, {p.slot});
     throw;

@@ -247,6 +247,41 @@ TEST(Engine, FreezingWhileAttachedTrainsLikePlainLibTorchAndUnfreezingIsRefused)
             std::string::npos) << e;
 }
 
+// An Embedding(sparse=true) hands autograd a sparse gradient: its rows are
+// added into the gradient chunk where they go, and training matches plain
+// LibTorch (whose SGD takes sparse gradients), in fp32 and bf16.
+TEST(Engine, SparseEmbeddingGradientsTrainLikePlainLibTorch) {
+  for (const DType precision : {DType::kFloat32, DType::kBFloat16}) {
+    torch::manual_seed(6);
+    const auto make = [] {
+      return torch::nn::Sequential(torch::nn::Embedding(torch::nn::EmbeddingOptions(50, 12).sparse(true)),
+                                   torch::nn::Linear(12, 3));
+    };
+    torch::nn::Sequential reference = make(), model = make();
+    copy_params(*reference, *model);
+    const torch::Tensor initial = reference[0]->as<torch::nn::Embedding>()->weight.detach().clone();
+    torch::optim::SGD opt(reference->parameters(), torch::optim::SGDOptions(0.5));
+    EngineOptions o;
+    o.budgets = {4 << 10, 1 << 20, 0};
+    o.chunk_elems = 256;
+    o.precision = precision;
+    auto engine = attach(*model, OptimizerConfig::sgd(0.5), o);
+    for (int s = 0; s < 4; ++s) {
+      const torch::Tensor ids = torch::randint(0, 50, {6, 4}), y = torch::randn({6, 4, 3});
+      opt.zero_grad();
+      torch::mse_loss(reference->forward(ids), y).backward();
+      opt.step();
+      engine->train_step([&] { return torch::mse_loss(model->forward(ids).to(torch::kFloat32), y); });
+    }
+    engine.reset();
+    const torch::Tensor got = model[0]->as<torch::nn::Embedding>()->weight;
+    const torch::Tensor want = reference[0]->as<torch::nn::Embedding>()->weight;
+    const double err = ((got - want).norm() / want.norm()).item<double>();
+    EXPECT_LT(err, precision == DType::kFloat32 ? 1e-6 : 1e-2) << dtype_name(precision);
+    EXPECT_FALSE(torch::allclose(got, initial)) << "the rows used were updated";
+  }
+}
+
 TEST(Engine, DeviceBudgetBelowAnOperatorsWorkingSetIsAClearError) {
   auto model = mlp();
   EngineOptions o;
