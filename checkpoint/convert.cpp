@@ -181,7 +181,23 @@ ConvertStats export_hf(const std::string& dir, const std::string& out, uint64_t 
     in_shard += b;
     total += b;
   }
-  auto shard_name = [&](size_t s) { return fmt::format("model-{:05d}-of-{:05d}.safetensors", s + 1, shards.size()); };
+  // Buffers and frozen parameters (each name once, as saved) go in one more
+  // shard: known before any is written, since every shard's name says the count.
+  std::vector<std::unique_ptr<SafetensorsReader>> readers;
+  std::vector<std::pair<const SafetensorsReader*, const TensorEntry*>> take;
+  if (!x.module_state_files.empty()) {
+    c.reader.verify(x.module_state_files);
+    std::set<std::string> seen;
+    for (const auto& p : x.params) seen.insert(p.name);
+    for (const std::string& f : x.module_state_files) {
+      readers.push_back(std::make_unique<SafetensorsReader>(c.reader.path(f)));
+      for (const auto& e : readers.back()->header().tensors) {
+        if (seen.insert(e.name).second) take.push_back({readers.back().get(), &e});
+      }
+    }
+  }
+  const size_t count = shards.size() + (take.empty() ? 0 : 1);
+  auto shard_name = [&](size_t s) { return fmt::format("model-{:05d}-of-{:05d}.safetensors", s + 1, count); };
 
   CheckpointWriter w(out, "hf-weights");
   json weight_map = json::object();
@@ -206,34 +222,20 @@ ConvertStats export_hf(const std::string& dir, const std::string& out, uint64_t 
     sw.finish();
     w.add(shard_name(s), sw.bytes(), sw.checksum());
   }
-  // Buffers and frozen parameters (each name once, as saved), in one more shard.
-  if (!x.module_state_files.empty()) {
-    c.reader.verify(x.module_state_files);
-    std::vector<std::unique_ptr<SafetensorsReader>> readers;
-    std::vector<std::pair<const SafetensorsReader*, const TensorEntry*>> take;
-    std::set<std::string> seen;
-    for (const std::string& f : x.module_state_files) {
-      readers.push_back(std::make_unique<SafetensorsReader>(c.reader.path(f)));
-      for (const auto& e : readers.back()->header().tensors) {
-        if (seen.insert(e.name).second && !weight_map.contains(e.name)) take.push_back({readers.back().get(), &e});
-      }
+  if (!take.empty()) {
+    const std::string name = shard_name(count - 1);
+    std::vector<SafetensorsWriter::Spec> specs;
+    for (const auto& [r, e] : take) specs.push_back({e->name, e->dtype, e->shape});
+    SafetensorsWriter sw(w.path(name), specs, {{"format", "pt"}});
+    for (const auto& [r, e] : take) {
+      block.resize(e->end - e->begin);
+      r->read(*e, 0, block.data(), block.size());
+      sw.append(block.data(), block.size());
+      weight_map[e->name] = name;
+      total += e->end - e->begin;
     }
-    if (!take.empty()) {
-      shards.emplace_back();  // named by the count, which now includes it
-      const std::string name = shard_name(shards.size() - 1);
-      std::vector<SafetensorsWriter::Spec> specs;
-      for (const auto& [r, e] : take) specs.push_back({e->name, e->dtype, e->shape});
-      SafetensorsWriter sw(w.path(name), specs, {{"format", "pt"}});
-      for (const auto& [r, e] : take) {
-        block.resize(e->end - e->begin);
-        r->read(*e, 0, block.data(), block.size());
-        sw.append(block.data(), block.size());
-        weight_map[e->name] = name;
-        total += e->end - e->begin;
-      }
-      sw.finish();
-      w.add(name, sw.bytes(), sw.checksum());
-    }
+    sw.finish();
+    w.add(name, sw.bytes(), sw.checksum());
   }
   const json index = {{"metadata", {{"total_size", total}, {"format", "pt"}}}, {"weight_map", weight_map}};
   w.write_text("model.safetensors.index.json", index.dump(2) + "\n");
@@ -241,7 +243,7 @@ ConvertStats export_hf(const std::string& dir, const std::string& out, uint64_t 
   ConvertStats st;
   st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   st.bytes = total;
-  st.files = shards.size();
+  st.files = count;
   st.tensors = x.params.size();
   st.layout = x.layout.describe();
   return st;

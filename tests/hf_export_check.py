@@ -65,6 +65,12 @@ def main():
         raise SystemExit("hf export: tensors %s differ from one process's" % sorted(names ^ set(ref_header)))
     if index["metadata"]["total_size"] != total:
         raise SystemExit("hf export: total_size %d, the tensors hold %d" % (index["metadata"]["total_size"], total))
+    count = len(shards)
+    want = set("model-%05d-of-%05d.safetensors" % (k, count) for k in range(1, count + 1))
+    present = set(f for f in os.listdir(hf) if f.startswith("model-"))
+    if set(shards) != want or present != want:
+        raise SystemExit("hf export: shards %s (index) and %s (files), expected %s" %
+                         (sorted(shards), sorted(present), sorted(want)))
     for shard, (header, _) in shards.items():
         for name in header:
             if index["weight_map"].get(name) != shard:

@@ -3,6 +3,7 @@
 // and mismatches refused before anything changes, SIGKILL during a save at
 // several points never loses the previous checkpoint, and safetensors
 // weights read back by an independent reader and imported at attach.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -16,6 +17,7 @@
 #include <nlohmann/json.hpp>
 #include <map>
 #include <random>
+#include <set>
 #include <sstream>
 #include <thread>
 
@@ -449,6 +451,48 @@ struct NormNet : torch::nn::Module {
   }
   torch::Tensor forward(const torch::Tensor& x) { return b->forward(torch::relu(bn->forward(a->forward(frozen->forward(x))))); }
 };
+
+// Hugging Face's layout with module state (buffers, a frozen layer) in a
+// shard of its own after the parameters': every shard is named
+// model-<k>-of-<n> with n the number of shards (the module state's shard
+// was once counted in its own name only), the index names exactly those
+// files, and every name it maps is in the shard it names.
+TEST(Checkpoint, HuggingFaceShardsAreNamedByTheirCount) {
+  const std::string dir = temp_path("hf-shard-names");
+  torch::manual_seed(22);
+  auto model = std::make_shared<NormNet>();
+  EngineOptions o;
+  o.budgets = {1 << 14, 1 << 20, 0};
+  o.chunk_elems = 256;
+  auto engine = attach(*model, AdamWConfig{}, o);
+  ASSERT_TRUE(engine->train_step([&] { return model->forward(torch::randn({8, 16})).pow(2).mean(); }).stepped);
+  engine->export_hf(dir, /*shard_bytes=*/1024);
+  std::set<std::string> files;
+  for (const auto& e : fs::directory_iterator(dir)) {
+    const std::string f = e.path().filename().string();
+    if (f.rfind("model-", 0) == 0) files.insert(f);
+  }
+  ASSERT_GE(files.size(), 3u) << "parameter shards and the module state's";
+  std::set<std::string> want;
+  for (size_t k = 1; k <= files.size(); ++k) {
+    want.insert(fmt::format("model-{:05d}-of-{:05d}.safetensors", k, files.size()));
+  }
+  EXPECT_EQ(files, want);
+  const nlohmann::json index = nlohmann::json::parse(std::ifstream(dir + "/model.safetensors.index.json"));
+  std::set<std::string> named;
+  for (const auto& [name, shard] : index["weight_map"].items()) {
+    named.insert(shard.get<std::string>());
+    const checkpoint::SafetensorsReader r(dir + "/" + shard.get<std::string>());
+    bool found = false;
+    for (const auto& t : r.header().tensors) found = found || t.name == name;
+    EXPECT_TRUE(found) << name << " is not in " << shard;
+  }
+  EXPECT_EQ(named, want);
+  EXPECT_TRUE(index["weight_map"].contains("bn.running_mean")) << "buffers are exported";
+  EXPECT_TRUE(index["weight_map"].contains("frozen.weight")) << "frozen parameters are exported";
+  engine.reset();
+  fs::remove_all(dir);
+}
 
 TEST(Checkpoint, ResumesBuffersAndFrozenParametersBitForBit) {
   const std::string dir = temp_path("norm-checkpoint");
