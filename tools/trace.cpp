@@ -9,7 +9,7 @@
 //   strata trace export TRACE --chrome out.json
 //
 // record runs PROGRAM with STRATA_TRACE and STRATA_TRACE_STEPS set, which any
-// program using the engine honours (EngineOptions::from_env), and checks the
+// program using the engine honours (attach reads them), and checks the
 // trace it wrote. The trace format is docs/trace.md.
 #include <sys/wait.h>
 #include <unistd.h>
@@ -61,8 +61,8 @@ void record(const RecordOptions& o) {
                 written ? fmt::format("; it wrote its trace to {} before that", out) : std::string("; no trace recorded"));
   }
   STRATA_CHECK(std::filesystem::exists(out), o.command[0], " exited without writing a trace to ", out,
-               ": does it train through strata::parallel::attach with EngineOptions::from_env, and for at least ",
-               o.steps, " steps?");
+               ": does it train through strata::parallel::attach (with no trace path of its own in its options), "
+               "and for at least ", o.steps, " steps?");
   const memory::Trace t = memory::read_trace(out);
   fmt::print("strata trace: {} steps, {} operators recorded to {}\n", t.steps.size(), t.ops.size(), out);
 }

@@ -46,6 +46,7 @@ torch::Tensor released_placeholder(const ManagedParam& p) {
 
 Engine::Impl::Impl(torch::nn::Module& module, OptimizerConfig optimizer, EngineOptions options,
                    std::shared_ptr<Communicator> comm) {
+  if (options.trace_path.empty()) options.take_trace_from_env();  // `strata trace record` on any program
   options.validate();
   optimizer.validate();
   ctx.comm = std::move(comm);

@@ -54,8 +54,7 @@ EngineOptions EngineOptions::from_env(EngineOptions base) {
                [&](const std::string& v) { o.grad_accumulation = static_cast<int>(parse_integer(v)); });
   from_env_var("STRATA_NVME_OPTIM_FRACTION", [&](const std::string& v) { o.nvme_optim_fraction = parse_number(v); });
   from_env_var("STRATA_DEVICE_OPTIM_FRACTION", [&](const std::string& v) { o.device_optim_fraction = parse_number(v); });
-  from_env_var("STRATA_TRACE", [&](const std::string& v) { o.trace_path = v; });
-  from_env_var("STRATA_TRACE_STEPS", [&](const std::string& v) { o.trace_steps = static_cast<int>(parse_integer(v)); });
+  o.take_trace_from_env();
   from_env_var("STRATA_DEVICE_CAPACITY", [&](const std::string& v) { o.device_capacity = parse_bytes(v); });
   from_env_var("STRATA_PREFETCH", [&](const std::string& v) {
     STRATA_CHECK(v == "0" || v == "1", "\"", v, "\" is not 0 or 1");
@@ -74,6 +73,11 @@ EngineOptions EngineOptions::from_env(EngineOptions base) {
   from_env_var("STRATA_LOSS_SCALE", [&](const std::string& v) { o.loss_scale.initial = parse_number(v); });
   o.validate();
   return o;
+}
+
+void EngineOptions::take_trace_from_env() {
+  from_env_var("STRATA_TRACE", [&](const std::string& v) { trace_path = v; });
+  from_env_var("STRATA_TRACE_STEPS", [&](const std::string& v) { trace_steps = static_cast<int>(parse_integer(v)); });
 }
 
 void EngineOptions::validate() const {

@@ -412,6 +412,41 @@ TEST(Engine, BackwardKeepsNoSecondCopyOfGradients) {
 // Note [Recording a trace]: the traced steps' operators, forward and
 // backward, with their chunks; per-operator moves that add up to the
 // manager's own count; the device tier within budget at every operator.
+// `strata trace record` sets STRATA_TRACE and STRATA_TRACE_STEPS for any
+// program: options written in code (no from_env) are traced through them
+// too, and options that name a trace path of their own keep it.
+TEST(Engine, TraceVariablesReachOptionsWrittenInCode) {
+  const std::string from_env = temp_path("engine-trace-env", ".json");
+  const std::string own = temp_path("engine-trace-own", ".json");
+  std::filesystem::remove(from_env);
+  std::filesystem::remove(own);
+  ::setenv("STRATA_TRACE", from_env.c_str(), 1);
+  ::setenv("STRATA_TRACE_STEPS", "1", 1);
+  for (const bool named : {false, true}) {
+    torch::manual_seed(18);
+    auto model = mlp();
+    EngineOptions o;  // not from_env
+    o.budgets = {32 << 10, 1 << 20, 0};
+    o.chunk_elems = 1024;
+    if (named) {
+      o.trace_path = own;
+      o.trace_steps = 1;
+    }
+    auto engine = attach(*model, AdamWConfig{}, o);
+    engine->train_step([&] { return model->forward(torch::randn({4, 32})).pow(2).mean(); });
+    engine.reset();
+    EXPECT_TRUE(std::filesystem::exists(named ? own : from_env)) << (named ? "its own path" : "STRATA_TRACE");
+    if (!named) {
+      EXPECT_EQ(memory::read_trace(from_env).steps.size(), 1u) << "STRATA_TRACE_STEPS";
+      std::filesystem::remove(from_env);
+    }
+  }
+  ::unsetenv("STRATA_TRACE");
+  ::unsetenv("STRATA_TRACE_STEPS");
+  EXPECT_FALSE(std::filesystem::exists(from_env)) << "options naming a trace path write there only";
+  std::filesystem::remove(own);
+}
+
 TEST(Engine, RecordsATraceOfTheWarmUpSteps) {
   const std::string path = temp_path("engine-trace", ".json");
   std::filesystem::remove(path);

@@ -133,6 +133,11 @@ struct EngineOptions {
   /// STRATA_DEVICE_CAPACITY, STRATA_INIT_WEIGHTS, STRATA_INIT_WEIGHTS_NAMES, STRATA_ZERO_STAGE. A value
   /// that does not parse is an error naming the variable.
   static EngineOptions from_env(EngineOptions base);
+  /// STRATA_TRACE and STRATA_TRACE_STEPS, where set, into trace_path and
+  /// trace_steps. attach() calls it when trace_path is empty, so `strata
+  /// trace record -- PROGRAM` traces a program whose options are written in
+  /// code (no from_env) too.
+  void take_trace_from_env();
   /// Checks every option; throws strata::Error saying what to change.
   void validate() const;
 };
