@@ -128,6 +128,7 @@ Engine::Impl::Impl(torch::nn::Module& module, OptimizerConfig optimizer, EngineO
                "know the others' part of the gradient norm while it runs backward; set clip_norm 0 (the updates in "
                "backward are then exact) or update_in_backward false");
   assign_groups(ctx);
+  tied = std::make_unique<TiedParameters>(ctx);  // Note [Tied parameters across stages]
   register_parameters(ctx);
   if (ctx.data_parallel()) check_same_layout_on_every_rank(ctx);  // before any collective pairs buffers
 

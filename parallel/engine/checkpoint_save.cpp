@@ -31,24 +31,6 @@ using json = nlohmann::json;
 
 namespace {
 
-// Every rank's `mine`, in rank order (sizes may differ).
-std::vector<std::string> all_gather_bytes(Communicator& comm, const std::string& mine) {
-  const int n = comm.world_size();
-  const std::vector<double> sizes = all_gather_values(comm, {static_cast<double>(mine.size())});
-  size_t most = 0;
-  for (double v : sizes) most = std::max(most, static_cast<size_t>(v));
-  const size_t words = (most + sizeof(float) - 1) / sizeof(float);
-  std::vector<float> in(words), out(words * static_cast<size_t>(n));
-  std::memcpy(in.data(), mine.data(), mine.size());
-  comm.all_gather(in.data(), out.data(), words, DType::kFloat32)->wait();
-  std::vector<std::string> all;
-  for (int r = 0; r < n; ++r) {
-    const char* at = reinterpret_cast<const char*>(out.data() + static_cast<size_t>(r) * words);
-    all.emplace_back(at, static_cast<size_t>(sizes[r]));
-  }
-  return all;
-}
-
 // Buffers and frozen parameters as they were before attach cast them: on CPU, contiguous.
 torch::Tensor state_value(const torch::Tensor& tensor, torch::ScalarType original) {
   return tensor.detach().to(torch::kCPU, original).contiguous();
@@ -139,17 +121,23 @@ struct Engine::Impl::CheckpointSave {
 
   // Note [Checkpoints across layouts]: ranks of a tensor group holding the
   // same part (a replicated bias, a 2D norm's block on every row, a 2.5D
-  // weight on every depth) save it once, the lowest tensor rank holding it.
+  // weight on every depth) save it once, the lowest tensor rank holding it;
+  // so do the pipeline stages holding a tied parameter (Note [Tied
+  // parameters across stages]), the lowest pipeline rank.
   void choose_pieces() {
     writes.assign(s.params.size(), true);
-    if (tensor == nullptr) return;
     json mine = json::array();
     for (size_t i : order) mine.push_back({s.params[i].whole_name, part_map_json(s.params[i].part)});
-    const std::vector<std::string> all = all_gather_bytes(*tensor, mine.dump());
     std::set<std::string> lower;
-    for (int r = 0; r < tensor->rank(); ++r) {
-      for (const json& e : json::parse(all[static_cast<size_t>(r)])) lower.insert(e.dump());
-    }
+    const auto held_below = [&](Communicator* group) {
+      if (group == nullptr) return;
+      const std::vector<std::string> all = all_gather_strings(*group, mine.dump());
+      for (int r = 0; r < group->rank(); ++r) {
+        for (const json& e : json::parse(all[static_cast<size_t>(r)])) lower.insert(e.dump());
+      }
+    };
+    held_below(tensor);
+    if (s.stages_tied) held_below(pipe);  // the same on every stage (tied_params.h)
     for (size_t k = 0; k < order.size(); ++k) writes[order[k]] = lower.count(mine[k].dump()) == 0;
   }
 
@@ -164,8 +152,8 @@ struct Engine::Impl::CheckpointSave {
       failed();
     }
     // Along the pipeline among tensor rank 0's, then along each tensor group.
-    if (pipe != nullptr && (tensor == nullptr || tensor->rank() == 0)) staging = all_gather_bytes(*pipe, staging)[0];
-    if (tensor != nullptr) staging = all_gather_bytes(*tensor, staging)[0];
+    if (pipe != nullptr && (tensor == nullptr || tensor->rank() == 0)) staging = all_gather_strings(*pipe, staging)[0];
+    if (tensor != nullptr) staging = all_gather_strings(*tensor, staging)[0];
     if (staging.empty()) writing = false;  // the lead could not start: it says why
     staging_dir = staging;
   }
@@ -283,7 +271,7 @@ struct Engine::Impl::CheckpointSave {
         state = gen.get_state().contiguous();
       }
       const std::string mine(static_cast<const char*>(state.data_ptr()), static_cast<size_t>(state.numel()));
-      const std::vector<std::string> all = s.data_parallel() ? all_gather_bytes(*s.comm, mine) : std::vector{mine};
+      const std::vector<std::string> all = s.data_parallel() ? all_gather_strings(*s.comm, mine) : std::vector{mine};
       for (size_t r = 0; r < all.size(); ++r) {
         states.emplace_back(rng_file(stem, static_cast<int>(r), part, parts), all[r]);
       }
@@ -321,10 +309,10 @@ struct Engine::Impl::CheckpointSave {
     std::vector<json> got = {mine};
     if (tensor != nullptr) {
       got.clear();
-      for (const std::string& t : all_gather_bytes(*tensor, mine.dump())) got.push_back(json::parse(t));
+      for (const std::string& t : all_gather_strings(*tensor, mine.dump())) got.push_back(json::parse(t));
     }
     if (pipe != nullptr && (tensor == nullptr || tensor->rank() == 0)) {
-      const std::vector<std::string> all = all_gather_bytes(*pipe, json(got).dump());
+      const std::vector<std::string> all = all_gather_strings(*pipe, json(got).dump());
       got.clear();
       for (const std::string& t : all) {
         for (json& j : json::parse(t)) got.push_back(std::move(j));

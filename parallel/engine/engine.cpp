@@ -175,8 +175,10 @@ void Engine::Impl::begin_final_backward() {
   if (tracing()) recorder->set_phase("backward");
   if (reducer && boundary_) reducer->begin();
   if (ctx.options.prefetch && boundary_) pipeline->read_state_early();
-  // Note [Gradient statistics as families complete]: not when a reduction changes the gradients after they arrive.
-  const bool track = boundary_ && reducer == nullptr;
+  // Note [Gradient statistics as families complete]: not when a reduction
+  // changes the gradients after they arrive (data parallel, or the sum of
+  // tied copies: Note [Tied parameters across stages]).
+  const bool track = boundary_ && reducer == nullptr && tied->empty();
   pipeline->track_gradients(track);
   // Note [Updates in backward]: not when the user's hook before the step may change the gradients.
   if (track && ctx.options.update_in_backward) pipeline->begin_backward(!has_before_step_);
@@ -221,6 +223,16 @@ StepResult Engine::Impl::run_step(const std::function<double(double)>& passes,
       op_gathers->release_all();
     }
     if (reducer && boundary_) reducer->finish();
+    if (boundary_ && !tied->empty()) {  // Note [Tied parameters across stages]
+      access->open_grads(1.0);
+      try {
+        tied->sum_gradients(*access);
+      } catch (...) {
+        access->close_grads();
+        throw;
+      }
+      access->close_grads();
+    }
     if (boundary_ && before_step) {
       pipeline->track_gradients(false);  // the user's hook may change gradients: the step takes their statistics
       // The gradients the step applies, before clipping: Engine::grad().

@@ -14,6 +14,7 @@
 //   trace_recorder.h   the memory trace
 //   family_stream.h    checkpoint streaming, family by family
 //   param_access.h     parameters between steps: writes, replaced data, gradients
+//   tied_params.h      parameters whose copies several pipeline stages hold
 
 #include <torch/nn/module.h>
 
@@ -33,6 +34,7 @@
 #include "residency.h"
 #include "step_pipeline.h"
 #include "strata/parallel/op_hook.h"
+#include "tied_params.h"
 #include "trace_recorder.h"
 
 namespace strata::parallel {
@@ -83,6 +85,7 @@ struct Engine::Impl final : OpObserver {
   std::unique_ptr<StepGathers> step_gathers;      // ZeRO stages 1-2
   std::unique_ptr<OperatorGathers> op_gathers;    // ZeRO stage 3
   std::unique_ptr<StepPipeline> pipeline;
+  std::unique_ptr<TiedParameters> tied;           // copies on other pipeline stages
   std::unique_ptr<TraceRecorder> recorder;        // null: no trace
   std::unique_ptr<OpHook> hook;
   std::vector<std::pair<std::string, torch::Tensor>> frozen;  // frozen parameters, for export_weights

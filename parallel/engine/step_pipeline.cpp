@@ -134,7 +134,7 @@ std::pair<kernels::GradStats, double> StepPipeline::stats_of(memory::FamilyId f)
   const ChunkId gc = ctx_.step_grad(f);
   const memory::ChunkManager& mgr = *ctx_.mgr;
   return {kernels::grad_stats(mgr.data(gc), ctx_.options.precision, mgr.chunk(gc).capacity_elems()),
-          ctx_.tensor_group != nullptr ? replicated_sum_sq(f) : 0.0};
+          ctx_.tensor_group != nullptr || ctx_.stages_tied ? replicated_sum_sq(f) : 0.0};
 }
 
 // Note [Updates in backward]
@@ -392,9 +392,12 @@ kernels::GradStats StepPipeline::grad_stats() {
     for (int r = 0; r < group->world_size(); ++r) sum.merge({all[2 * r], all[2 * r + 1] == 0.0});
     return sum;
   };
-  // Note [Clipping across the tensor group]: slices summed over the group, each copy once.
-  if (ctx_.tensor_group != nullptr) total = sum_over(ctx_.tensor_group, total.sum_sq - replicated, total.finite);
-  // Pipeline stages hold disjoint parameters: their squares add up, and one overflow skips every stage's step.
+  // Note [Clipping across the tensor group]: slices summed over the group,
+  // each copy once (and each tied parameter's copies across stages once).
+  total.sum_sq -= replicated;
+  if (ctx_.tensor_group != nullptr) total = sum_over(ctx_.tensor_group, total.sum_sq, total.finite);
+  // Pipeline stages hold disjoint parameters but for tied copies: their
+  // squares add up, and one overflow skips every stage's step.
   return sum_over(ctx_.options.pipeline_group.get(), total.sum_sq, total.finite);
 }
 
@@ -408,13 +411,16 @@ kernels::GradStats StepPipeline::grad_stats() {
 // 1/copies) of each part held by `copies` ranks (P for a replicated one), and
 // the contributions are summed over the tensor group (one small all-gather,
 // after the data-parallel one).
+// A parameter tied across pipeline stages counts the same way, its copies
+// being held by stage_copies pipeline ranks as well (Note [Tied parameters
+// across stages] in tied_params.h).
 double StepPipeline::replicated_sum_sq(memory::FamilyId f) const {
   const ChunkId gc = ctx_.step_grad(f);
-  const int group = ctx_.tensor_group->world_size();
+  const int group = ctx_.tensor_group != nullptr ? ctx_.tensor_group->world_size() : 1;
   double sum = 0.0;
   for (size_t i : ctx_.params_of_chunk.at(ctx_.mgr->family(f).param)) {
     const ManagedParam& p = ctx_.params[i];
-    const int copies = p.copies == 0 ? group : p.copies;
+    const int copies = (p.copies == 0 ? group : p.copies) * p.stage_copies;
     if (copies == 1 || !p.has_grad) continue;
     // Stages 2-3 hold this rank's part of the gradient; before, all of it.
     const auto [begin, end] = ctx_.stage >= 2 ? ctx_.owned(p) : std::make_pair(p.offset, p.offset + p.numel);

@@ -3,6 +3,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <deque>
@@ -181,6 +182,8 @@ struct Pipeline::Impl {
   // the other ranks' stages' ones by their index there: none may get a gradient here.
   std::vector<std::string> names;
   std::vector<std::pair<size_t, torch::Tensor>> foreign;
+  std::map<std::string, std::string> tied_names;   // a tied parameter's later names -> its first
+  std::map<std::string, std::string> tied_staged;  // the same -> "stage<s>.<first>" (its first stage's module name)
   std::shared_ptr<StagesModule> holder = std::make_shared<StagesModule>();
   std::map<int, torch::nn::Sequential> stage_modules;  // by virtual stage
   std::vector<Action> actions;
@@ -597,34 +600,55 @@ Pipeline::Pipeline(torch::nn::Sequential model, std::shared_ptr<Communicator> gr
   d.bounds = boundaries;
   // Note [Parameters across stages]
   // Each stage's engine trains the parameters of its own layers. A parameter
-  // two stages hold would train as two copies, and one a layer uses by
-  // reference from another stage (an output projection tied to the token
-  // embedding) as a copy nobody updates: wrong results without an error. The
-  // first is refused here, on every rank alike and before any collective;
-  // the second shows as a gradient on a rank that does not own the
-  // parameter, found after the step's passes. The ranks then tell each other
-  // (in the gather that brings the last stage's loss to every rank), and
-  // every rank refuses the step before its optimizer runs.
-  std::unordered_map<const c10::TensorImpl*, std::pair<int, std::string>> owner;
-  std::vector<bool> mine(d.S, false);
-  for (int c = 0; c < d.v; ++c) mine[c * d.p + d.r] = true;
+  // the layers of several stages register (an output projection tied to the
+  // token embedding, registered in both) is tied: each of those stages holds
+  // a copy under the name of its first layer, which every copy's engine
+  // finds on the other stages (Note [Tied parameters across stages] in
+  // parallel/engine/tied_params.h), sums the copies' gradients with them after backward, and
+  // updates alike, as Megatron's embedding group does. A parameter a layer
+  // only uses by reference from another stage (not registered in it) would
+  // train as a copy nobody updates: wrong results without an error. It
+  // shows as a gradient on a rank that does not own the parameter, found
+  // after the step's passes; the ranks then tell each other (in the gather
+  // that brings the last stage's loss to every rank), and every rank refuses
+  // the step before its optimizer runs.
+  struct Use {
+    std::string first;        // "<layer>.<name>" where the model first registers it
+    std::vector<int> stages;  // the stages whose layers register it, in order
+    torch::Tensor tensor;
+  };
+  std::vector<Use> uses;
+  std::unordered_map<const c10::TensorImpl*, size_t> use_of;
+  std::map<std::string, std::string> tied_names;  // a later stage's name of a tied parameter -> its first
+  std::map<std::string, std::string> tied_staged;  // the same -> its first stage's module name of it
   for (int s = 0; s < d.S; ++s) {
     for (int i = boundaries[s]; i < boundaries[s + 1]; ++i) {
       for (const auto& item : (model->begin() + i)->ptr()->named_parameters()) {
-        const std::string name = fmt::format("{}.{} (stage {})", i, item.key(), s);
-        const auto [it, fresh] = owner.emplace(item.value().unsafeGetTensorImpl(), std::make_pair(s, name));
-        if (fresh) d.names.push_back(name);
-        STRATA_CHECK(fresh || it->second.first == s, "parameter ", name, " is also ", it->second.second,
-                     ": a parameter shared across pipeline stages would train as two copies; cut the model so both "
-                     "layers are on one stage (boundaries), or give each its own");
-        if (fresh && !mine[s] && item.value().requires_grad()) {
-          torch::Tensor p = item.value();
-          p.mutable_grad() = torch::Tensor();
-          d.foreign.emplace_back(d.names.size() - 1, p);
+        const std::string name = fmt::format("{}.{}", i, item.key());
+        const auto [it, fresh] = use_of.emplace(item.value().unsafeGetTensorImpl(), uses.size());
+        if (fresh) uses.push_back({name, {}, item.value()});
+        Use& u = uses[it->second];
+        if (!fresh && name != u.first) {
+          tied_names.emplace(name, u.first);
+          tied_staged.emplace(name, fmt::format("stage{}.{}", u.stages.front(), u.first));
         }
+        if (u.stages.empty() || u.stages.back() != s) u.stages.push_back(s);
       }
     }
   }
+  std::vector<bool> mine(d.S, false);
+  for (int c = 0; c < d.v; ++c) mine[c * d.p + d.r] = true;
+  for (const Use& u : uses) {
+    d.names.push_back(fmt::format("{} (stage {})", u.first, u.stages.front()));
+    const bool held = std::any_of(u.stages.begin(), u.stages.end(), [&](int s) { return mine[s]; });
+    if (!held && u.tensor.requires_grad()) {
+      torch::Tensor t = u.tensor;
+      t.mutable_grad() = torch::Tensor();
+      d.foreign.emplace_back(d.names.size() - 1, t);
+    }
+  }
+  d.tied_names = std::move(tied_names);
+  d.tied_staged = std::move(tied_staged);
   for (int c = 0; c < d.v; ++c) {
     const int s = c * d.p + d.r;
     torch::nn::Sequential seq;
@@ -655,11 +679,26 @@ Engine& Pipeline::attach(OptimizerConfig optimizer, EngineOptions options, std::
   // Note [Checkpoints across layouts]: parameters by the model's own names,
   // so that another cut into stages finds them. A manual split's stages
   // number their layers from 0 each: their names keep the stage.
+  // A tied parameter's later copies go by its first name (Note [Parameters
+  // across stages]), in checkpoints and to the optimizer's groups, as in
+  // one process, where the module lists it under that name first.
   if (d.model_names) {
-    options.checkpoint_name = [](const std::string& name) {
+    options.checkpoint_name = [tied = d.tied_names](const std::string& name) {
       const size_t dot = name.find('.');
-      return name.rfind("stage", 0) == 0 && dot != std::string::npos ? name.substr(dot + 1) : name;
+      std::string own = name.rfind("stage", 0) == 0 && dot != std::string::npos ? name.substr(dot + 1) : name;
+      const auto it = tied.find(own);
+      return it == tied.end() ? own : it->second;
     };
+    if (!d.tied_staged.empty()) {
+      for (ParamGroup& g : optimizer.groups) {
+        if (!g.select) continue;
+        g.select = [inner = g.select, tied = d.tied_staged](const std::string& name, const std::vector<int64_t>& shape) {
+          const size_t dot = name.find('.');
+          const auto it = tied.find(name.rfind("stage", 0) == 0 && dot != std::string::npos ? name.substr(dot + 1) : name);
+          return inner(it == tied.end() ? name : it->second, shape);
+        };
+      }
+    }
   }
   d.engine = parallel::attach(*d.holder, std::move(optimizer), std::move(options), std::move(data_parallel));
   return *d.engine;
@@ -698,8 +737,9 @@ StepResult Pipeline::step(const torch::Tensor& inputs, const torch::Tensor& targ
         const double u = all[2 * r + 1];
         STRATA_CHECK(u == 0, "pipeline rank ", r, "'s stages used parameter ", d.names.at(static_cast<size_t>(u) - 1),
                      ", which another stage owns (it got a gradient on that rank): a layer that uses another "
-                     "layer's parameter by reference (an output projection tied to the token embedding) cannot be "
-                     "cut apart from it; keep both on one stage (boundaries), or untie it");
+                     "layer's parameter by reference (an output projection tied to the token embedding) must "
+                     "register it too (register_module or register_parameter), so that its stage holds a tied "
+                     "copy; or keep both layers on one stage (boundaries)");
       }
       return all[2 * (d.p - 1)];  // the last stage's loss
     });

@@ -3,6 +3,8 @@
 #include <fmt/format.h>
 #include <torch/torch.h>
 
+#include <algorithm>
+#include <cstring>
 #include <filesystem>
 
 #include "strata/core/error.h"
@@ -159,6 +161,23 @@ void make_chunk_manager(EngineContext& ctx, std::unique_ptr<memory::EvictionPoli
   ctx.device = ctx.mgr->device().kind() == offload::DeviceKind::kCuda
                    ? torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(ctx.mgr->device().index()))
                    : torch::Device(torch::kCPU);
+}
+
+std::vector<std::string> all_gather_strings(Communicator& comm, const std::string& mine) {
+  const int n = comm.world_size();
+  const std::vector<double> sizes = all_gather_values(comm, {static_cast<double>(mine.size())});
+  size_t most = 0;
+  for (double v : sizes) most = std::max(most, static_cast<size_t>(v));
+  const size_t words = (most + sizeof(float) - 1) / sizeof(float);
+  std::vector<float> in(words), out(words * static_cast<size_t>(n));
+  std::memcpy(in.data(), mine.data(), mine.size());
+  comm.all_gather(in.data(), out.data(), words, DType::kFloat32)->wait();
+  std::vector<std::string> all;
+  for (int r = 0; r < n; ++r) {
+    const char* at = reinterpret_cast<const char*>(out.data() + static_cast<size_t>(r) * words);
+    all.emplace_back(at, static_cast<size_t>(sizes[r]));
+  }
+  return all;
 }
 
 void assign_groups(EngineContext& ctx) {

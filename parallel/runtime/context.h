@@ -63,6 +63,7 @@ struct ManagedParam {
   bool has_grad = false;  // a gradient arrived since the last step
   bool constructed_lazily = false;  // lazy at attach (lazy_init.h)
   int copies = 0;         // tensor parallel: ranks of the group holding this part (tensor_copies_of); 0: not split
+  int stage_copies = 1;   // pipeline ranks holding a copy (Note [Tied parameters across stages] in tied_params.h)
   // Checkpoints (Note [Checkpoints across layouts]): the parameter's name
   // there (EngineOptions::checkpoint_name) and where this rank's elements lie
   // in the whole parameter (Note [Parts of a whole parameter]).
@@ -95,6 +96,9 @@ struct EngineContext {
   // The tensor group the module's tensor-parallel layers split parameters
   // over (Note [Clipping across the tensor group]); null: none.
   Communicator* tensor_group = nullptr;
+  // Some parameter has copies on several pipeline stages, here or on
+  // another stage (Note [Tied parameters across stages] in tied_params.h).
+  bool stages_tied = false;
   Engine::DataWait wait;
   // Called when a pin on `tier` finds no room: settles work that holds
   // chunks pinned there (the oldest gradient reduction in flight, on the
@@ -191,6 +195,9 @@ void make_chunk_manager(EngineContext& ctx, std::unique_ptr<memory::EvictionPoli
 /// first of ctx.optimizer.groups that selects it, or to "default", and fills
 /// ctx.groups with each group's settings.
 void assign_groups(EngineContext& ctx);
+
+/// Every rank's `mine` (lengths may differ), in rank order: a collective over `comm`.
+std::vector<std::string> all_gather_strings(Communicator& comm, const std::string& mine);
 
 /// Registers ctx.params (name, tensor and numel set; fp32, contiguous) with
 /// the chunk manager as chunk families (ZeRO-sharded from stage 1): sets

@@ -13,11 +13,14 @@
 // reference's (relative 1e-5: microbatches and the ring change the summation
 // order). The plan goes through its JSON form (HybridPlan::from_json).
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <string>
 #include <unistd.h>
 
@@ -132,8 +135,9 @@ TORCH_MODULE(TupleHead);
 
 // A head whose projection is the embedding's table (tied), held by
 // reference (used, not registered: the embedding owns it) or registered as
-// its submodule as well. Cut into pipeline stages, both would train wrong
-// without an error; the pipeline refuses them (Note [Parameters across stages]).
+// its submodule as well. Cut into pipeline stages, a registered table is
+// tied across them (--tied), and one held by reference is refused (Note
+// [Parameters across stages]).
 struct TiedHeadImpl : torch::nn::Module {
   TiedHeadImpl(torch::nn::Embedding table, bool registered) : tok(std::move(table)) {
     ln = register_module("ln", torch::nn::LayerNorm(torch::nn::LayerNormOptions({kDim})));
@@ -187,17 +191,19 @@ std::pair<torch::Tensor, torch::Tensor> batch(int step, int replica, int64_t siz
 // The module plan in the config file's words; Megatron's sequence
 // parallelism adds "sequence=1" (activations [batch, time, dim]) and shards
 // the norms and the position embedding.
-std::string layers_json(bool seq) {
+std::string layers_json(bool seq, bool tied) {
   const std::string s = seq ? "sequence=1" : "";
   const auto with = [&](const std::string& kind, const std::string& opts) {
     std::string all = opts;
     if (!s.empty()) all += all.empty() ? s : ", " + s;
     return all.empty() ? kind : kind + "(" + all + ")";
   };
+  // A tied head projects through the vocabulary-split table, its logits gathered whole.
   std::string j = fmt::format(R"j([["*.qkv", "{}"], ["*.proj", "{}"], ["*.up", "{}"], ["*.down", "{}"],
-      ["0.tok", "{}"], ["3.out", "{}"])j",
+      ["0.tok", "{}"])j",
                               with("columnwise", "fused=3"), with("rowwise", ""), with("columnwise", ""),
-                              with("rowwise", ""), with("vocab_embedding", "untied"), with("columnwise", "gather"));
+                              with("rowwise", ""), tied ? with("vocab_embedding", "") : with("vocab_embedding", "untied"));
+  if (!tied) j += fmt::format(R"j(, ["3.out", "{}"])j", with("columnwise", "gather"));
   if (seq) j += R"j(, ["*.ln1", "sequence_shard"], ["*.ln2", "sequence_shard"], ["3.ln", "sequence_shard"], ["0.pos", "sequence_shard(dim=0)"])j";
   return j + "]";
 }
@@ -206,6 +212,7 @@ struct Args {
   int dp = 1, pp = 1, tp = 1, sp = 1, zero = 0, microbatches = 0, steps = 10, depth = 1, batch = 4;
   std::string schedule = "1f1b", sp_mode = "ring-attention", tp_mode = "1d";
   bool sequence_parallel = false, tuple = false;
+  bool tied = false;  // the head's projection is the embedding's table, registered in both (pipeline: tied across stages)
   double host_fraction = 0.0;  // 0: everything resident; else host budget = fraction x model state
   std::string refuse;          // a Trainer refusal to provoke (refusals())
 };
@@ -215,10 +222,9 @@ struct Args {
 // attention), no-layers (tp 2 without a module plan), grid (tp 4 in mode 2d
 // with a module plan that leaves the linear layers out),
 // zero (engine options asking for another ZeRO stage than the plan's),
-// shared-across-stages (a parameter the first and last layers both register,
-// the pipeline cutting them apart), tied-across-stages (the last layer using
-// the first's table by reference: found on the last stage's rank after the
-// first step's passes, and refused there and on every other rank alike).
+// tied-across-stages (the last layer using the first's table by reference,
+// without registering it: found on the last stage's rank after the first
+// step's passes, and refused there and on every other rank alike).
 int refusals(const Args& a) {
   const Rendezvous r = Rendezvous::from_env();
   std::shared_ptr<Communicator> world = make_gloo_communicator(r);
@@ -242,20 +248,17 @@ int refusals(const Args& a) {
     plan.zero_stage = 1;
     o.zero_stage = 3;
     want = "the plan's zero_stage decides";
-  } else if (a.refuse == "shared-across-stages") {
-    plan.pp.size = r.world_size;
-    want = "a parameter shared across pipeline stages would train as two copies";
   } else if (a.refuse == "tied-across-stages") {
     plan.pp.size = r.world_size;
     want = "which another stage owns (it got a gradient on that rank)";
   } else {
-    STRATA_FAIL("unknown --refuse case ", a.refuse, "; choose no-attention, no-layers, grid, zero, "
-                "shared-across-stages or tied-across-stages");
+    STRATA_FAIL("unknown --refuse case ", a.refuse, "; choose no-attention, no-layers, grid, zero or "
+                "tied-across-stages");
   }
   plan = plan.validated(r.world_size);
   DeviceMesh mesh = DeviceMesh::create(world, plan.dims());
-  const bool tied = a.refuse == "shared-across-stages" || a.refuse == "tied-across-stages";
-  torch::nn::Sequential model = tied ? make_tied_model(a.refuse == "shared-across-stages") : make_model(nullptr);
+  const bool tied = a.refuse == "tied-across-stages";
+  torch::nn::Sequential model = tied ? make_tied_model(/*registered=*/false) : make_model(nullptr);
   std::string got = "no error";
   try {
     Trainer trainer(model, mesh, plan, OptimizerConfig::from(AdamWConfig{}), o);
@@ -349,6 +352,46 @@ torch::Tensor grid_part(const std::string& name, const torch::Tensor& full, cons
 
 std::string nvme_dir() { return fmt::format("/tmp/strata-hybrid-check-{}", ::getpid()); }
 
+// --tied: the model trained under the plan, saved, loads into one process
+// (no pipeline, no data or tensor parallelism): the table is in the
+// checkpoint once, and every parameter equals the reference's.
+void check_tied_checkpoint(Trainer& trainer, const DeviceMesh& mesh, torch::nn::Sequential& reference,
+                           const std::string& label) {
+  Communicator& world = *mesh.world();
+  const double tag = all_gather_values(world, {static_cast<double>(::getpid())})[0];
+  const std::string dir = fmt::format("/tmp/strata-hybrid-tied-{:.0f}", tag);
+  trainer.save(dir);
+  // The table once: its pieces from the first stage's parts alone (parts are numbered pipeline rank x tp + tensor rank).
+  std::ifstream state_file(dir + "/state.json");
+  const nlohmann::json state = nlohmann::json::parse(state_file);
+  int pieces = 0;
+  for (const nlohmann::json& p : state.at("parameters")) {
+    if (p.at("name") != "0.tok.weight") continue;
+    for (const nlohmann::json& piece : p.at("pieces")) {
+      STRATA_CHECK(piece.at("part").get<int>() < trainer.plan().tp.size, label, ": the tied table is saved from "
+                   "part ", piece.at("part").get<int>(), ", not the first stage's");
+      ++pieces;
+    }
+  }
+  STRATA_CHECK(pieces == trainer.plan().tp.size, label, ": the checkpoint holds ", pieces, " pieces of the tied table, "
+               "expected one per tensor rank");
+  torch::nn::Sequential one = make_tied_model(true);
+  EngineOptions o;
+  o.budgets = {1 << 24, 1 << 24, 0};
+  std::unique_ptr<Engine> engine = attach(*one, OptimizerConfig::from(AdamWConfig{}), o);
+  engine->load(dir);
+  auto want = reference->named_parameters();
+  for (const auto& item : one->named_parameters()) {
+    const torch::Tensor expect = want[item.key()].detach();
+    const double diff = ((item.value().detach().to(torch::kCPU) - expect).norm() / expect.norm()).item<double>();
+    STRATA_CHECK(diff <= 1e-5, label, ": parameter ", item.key(), " loaded into one process from the checkpoint "
+                 "differs from one process's by ", diff);
+  }
+  world.barrier()->wait();  // every rank has read it
+  if (mesh.rank() == 0) std::filesystem::remove_all(dir);
+  std::printf("rank %d: %s: its checkpoint loads into one process, equal\n", mesh.rank(), label.c_str());
+}
+
 int run(const Args& a) {
   const Rendezvous r = Rendezvous::from_env();
   const std::string json = fmt::format(
@@ -357,7 +400,7 @@ int run(const Args& a) {
           "sequence": {{"size": {}, "mode": "{}"}}}})j",
       a.dp, a.zero, a.pp, a.schedule, a.microbatches, a.tp, a.tp_mode, a.depth, a.sequence_parallel ? "true" : "false",
       // The module plan describes the model, whatever the layout: at tp 1 it is not used.
-      ", \"layers\": " + layers_json(a.sequence_parallel), a.sp, a.sp_mode);
+      ", \"layers\": " + layers_json(a.sequence_parallel, a.tied), a.sp, a.sp_mode);
   ModelShape shape;
   shape.hidden = kDim;
   shape.heads = kHeads;
@@ -365,13 +408,17 @@ int run(const Args& a) {
   shape.layers = 4;
   const HybridPlan plan = HybridPlan::from_json(json, "hybrid_check's plan").validated(r.world_size, shape);
   DeviceMesh mesh = DeviceMesh::create(make_gloo_communicator(r), plan.dims());
-  const std::string label =
-      plan.describe() + (a.host_fraction > 0 ? ", offload" : "") + (a.tuple ? ", tuples between layers" : "");
+  const std::string label = plan.describe() + (a.host_fraction > 0 ? ", offload" : "") +
+                            (a.tuple ? ", tuples between layers" : "") + (a.tied ? ", tied head" : "");
   STRATA_CHECK(!a.tuple || (plan.sp.size == 1 && !plan.tp.sequence_parallel), "--tuple: the layers' mask is for "
                "whole sequences; drop --sp and --sequence-parallel");
+  STRATA_CHECK(!a.tied || (plan.sp.size == 1 && !plan.tp.sequence_parallel && !a.tuple &&
+                           plan.tp.mode == TensorMode::k1D),
+               "--tied: the tied model has plain attention and whole sequences in 1D; drop --sp, "
+               "--sequence-parallel, --tuple and --tp-mode");
 
-  torch::nn::Sequential reference = make_model(nullptr, a.tuple);
-  torch::nn::Sequential model = make_model(sequence_attention(mesh, plan), a.tuple);
+  torch::nn::Sequential reference = a.tied ? make_tied_model(true) : make_model(nullptr, a.tuple);
+  torch::nn::Sequential model = a.tied ? make_tied_model(true) : make_model(sequence_attention(mesh, plan), a.tuple);
   int64_t params = 0;
   for (const auto& p : model->parameters()) params += p.numel();
   EngineOptions o;
@@ -392,8 +439,33 @@ int run(const Args& a) {
   }
   AdamWConfig cfg;
   cfg.lr = 1e-2f;
-  Trainer trainer(model, mesh, plan, OptimizerConfig::from(cfg), o, shape);
-  torch::optim::AdamW adamw(reference->parameters(), torch::optim::AdamWOptions(cfg.lr).weight_decay(cfg.weight_decay));
+  // --tied: the table in an optimizer group of its own (twice the lr, no
+  // weight decay), selected by the name one process gives it (its first):
+  // every stage's copy must be in it.
+  OptimizerConfig optimizer = OptimizerConfig::from(cfg);
+  if (a.tied) {
+    ParamGroup table = group_by_names("table", {"0.tok.weight"});
+    table.lr = 2 * cfg.lr;
+    table.weight_decay = 0.0;
+    optimizer.groups.push_back(table);
+  }
+  Trainer trainer(model, mesh, plan, optimizer, o, shape);
+  // Each parameter once: LibTorch's parameters() lists a tied table under both its names.
+  std::vector<torch::Tensor> ref_params, ref_rest;
+  for (const torch::Tensor& p : reference->parameters()) {
+    const bool seen = std::any_of(ref_params.begin(), ref_params.end(), [&](const torch::Tensor& q) { return q.is_same(p); });
+    if (seen) continue;
+    ref_params.push_back(p);
+    if (!a.tied || !p.is_same(reference->named_parameters()["0.tok.weight"])) ref_rest.push_back(p);
+  }
+  std::vector<torch::optim::OptimizerParamGroup> ref_groups;
+  if (a.tied) {
+    ref_groups.emplace_back(std::vector<torch::Tensor>{reference->named_parameters()["0.tok.weight"]},
+                            std::make_unique<torch::optim::AdamWOptions>(
+                                torch::optim::AdamWOptions(2 * cfg.lr).weight_decay(0.0)));
+  }
+  ref_groups.emplace_back(ref_rest);
+  torch::optim::AdamW adamw(ref_groups, torch::optim::AdamWOptions(cfg.lr).weight_decay(cfg.weight_decay));
 
   const int replica = mesh.coord(DeviceMesh::kData);
   for (int s = 0; s < a.steps; ++s) {
@@ -407,7 +479,7 @@ int run(const Args& a) {
       total = total + l / plan.dp;
     }
     total.backward();
-    torch::nn::utils::clip_grad_norm_(reference->parameters(), o.clip_norm);
+    torch::nn::utils::clip_grad_norm_(ref_params, o.clip_norm);
     adamw.step();
     const auto [x, y] = batch(s, replica, a.batch);
     const StepResult got = trainer.step(x, y, loss_of);
@@ -448,6 +520,7 @@ int run(const Args& a) {
   } else {
     STRATA_CHECK(!out.defined(), label, ": a rank before the last stage got an evaluation output");
   }
+  if (a.tied) check_tied_checkpoint(trainer, mesh, reference, label);
   const RankReport rep = trainer.report();
   if (a.host_fraction > 0) {
     const auto& dev = rep.tiers[static_cast<int>(strata::memory::Tier::kDevice)];
@@ -485,6 +558,7 @@ int main(int argc, char** argv) {
     else if (arg == "--sp-mode") a.sp_mode = next();
     else if (arg == "--sequence-parallel") a.sequence_parallel = true;
     else if (arg == "--tuple") a.tuple = true;
+    else if (arg == "--tied") a.tied = true;
     else if (arg == "--host-fraction") a.host_fraction = std::stod(next());
     else if (arg == "--steps") a.steps = std::stoi(next());
     else if (arg == "--refuse") a.refuse = next();

@@ -19,6 +19,12 @@
 // the last applies `loss_fn(output, targets)` (its loss a mean over the
 // microbatch), weighted by the microbatch's share of the batch, so the step's
 // loss and gradients are those of one process on the whole batch.
+// A parameter that layers of several stages register (an output projection
+// tied to the token embedding, registered in the head too) is tied: each of
+// those stages trains a copy, their gradients summed after backward, so the
+// copies stay equal (Note [Tied parameters across stages] in the engine). A
+// layer that uses another stage's parameter without registering it is
+// refused at its first step.
 //
 // Note [Pipeline links]
 // Activations travel forward and gradients backward between neighbouring
