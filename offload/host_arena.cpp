@@ -57,9 +57,21 @@ uint64_t transparent_huge_page_bytes() {
 // See Note [Host memory from extent hooks]. `hooks` must stay the first member:
 // jemalloc hands the hook functions the extent_hooks_t pointer it was given,
 // and they cast it back to the Impl.
+namespace {
+
+// CUDA's page-locking (cudaHostRegister), for arenas on a machine with a device.
+class CudaPinner final : public HostPinner {
+ public:
+  bool pin(void* ptr, size_t bytes) noexcept override { return cuda::host_register(ptr, bytes); }
+  void unpin(void* ptr, size_t) noexcept override { cuda::host_unregister(ptr); }
+};
+
+}  // namespace
+
 struct HostArena::Impl {
   extent_hooks_t hooks{};
   HostArenaOptions options;
+  HostPinner* pinner = nullptr;  // null: nothing is page-locked
   unsigned arena = 0;
   bool arena_created = false;
   bool bind_numa = false;
@@ -103,6 +115,37 @@ struct HostArena::Impl {
   std::map<uint64_t, uint64_t> resident;
   uint64_t resident_bytes = 0;
   uint64_t released_bytes = 0;
+  // Note [Pinned ranges from the reservation]: page-locked ranges, start ->
+  // end, each one extent's (live or freed); and whether every large chunk so far was.
+  std::map<uint64_t, uint64_t> pinned_ranges;
+  uint64_t pinned_bytes = 0;
+  uint64_t pins = 0;
+  bool large_all_pinned = true;
+
+  // Undoes the registrations overlapping [begin, end) (freed extents' only).
+  void unpin_overlapping(uint64_t begin, uint64_t end) noexcept {
+    auto it = pinned_ranges.upper_bound(begin);
+    if (it != pinned_ranges.begin() && std::prev(it)->second > begin) --it;
+    while (it != pinned_ranges.end() && it->first < end) {
+      pinner->unpin(reinterpret_cast<void*>(it->first), it->second - it->first);
+      pinned_bytes -= it->second - it->first;
+      it = pinned_ranges.erase(it);
+    }
+  }
+
+  // Page-locks extent [begin, end) unless it is so already.
+  void pin_extent(uint64_t begin, uint64_t end) {
+    const auto it = pinned_ranges.find(begin);
+    if (it != pinned_ranges.end() && it->second == end) return;  // a freed chunk's range, reused as it was
+    unpin_overlapping(begin, end);
+    ++pins;
+    if (!pinner->pin(reinterpret_cast<void*>(begin), end - begin)) {
+      large_all_pinned = false;
+      return;
+    }
+    pinned_ranges.emplace(begin, end);
+    pinned_bytes += end - begin;
+  }
 
   void add_resident(uint64_t begin, uint64_t end) {
     auto it = resident.upper_bound(begin);
@@ -129,6 +172,7 @@ struct HostArena::Impl {
       if (it->second <= begin) break;
       const uint64_t lo = std::max(it->first, begin), hi = std::min(it->second, end);
       const uint64_t from = hi - std::min(hi - lo, round_up(want - done, align));
+      if (pinner != nullptr) unpin_overlapping(from, hi);  // a page-locked page cannot be released
       if (madvise(reinterpret_cast<void*>(from), hi - from, MADV_DONTNEED) != 0) {
         STRATA_LOG(kWarn, "host arena: madvise(MADV_DONTNEED) of {} failed ({}); the arena stays above its "
                    "resident limit", format_bytes(hi - from), std::strerror(errno));
@@ -187,11 +231,10 @@ struct HostArena::Impl {
     std::lock_guard<std::mutex> lock(mutex);
     if (!large_tried) {
       large_tried = true;
-      if (!(options.pin && !cuda::probe().devices.empty())) {  // pinned arenas map per extent (jemalloc)
-        reserve(small_pages, options.alignment, false);
-        const uint64_t huge = options.huge_pages ? transparent_huge_page_bytes() : 0;
-        if (huge >= options.alignment && huge <= (size_t{8} << 20)) reserve(huge_pages, huge, true);
-      }
+      reserve(small_pages, options.alignment, false);
+      // Pinned arenas keep 4 KiB pages (Note [Pinned ranges from the reservation]).
+      const uint64_t huge = options.huge_pages && pinner == nullptr ? transparent_huge_page_bytes() : 0;
+      if (huge >= options.alignment && huge <= (size_t{8} << 20)) reserve(huge_pages, huge, true);
     }
     Region* region = &small_pages;
     uint64_t rounded = round_up(bytes, options.alignment);
@@ -212,6 +255,7 @@ struct HostArena::Impl {
     large_live_bytes += e->bytes;
     if (region == &huge_pages) huge_live_bytes += e->bytes;
     const uint64_t begin = reinterpret_cast<uint64_t>(ptr);
+    if (pinner != nullptr) pin_extent(begin, begin + e->bytes);
     add_resident(begin, begin + e->bytes);
     release_over_limit();
     allocated_bytes += e->bytes;
@@ -261,7 +305,7 @@ struct HostArena::Impl {
 
     bool bound = false;
     if (self->bind_numa) bound = bind_to_numa_node(ptr, size, self->numa_node);
-    const bool pinned = self->options.pin && cuda::host_register(ptr, size);
+    const bool pinned = self->pinner != nullptr && self->pinner->pin(ptr, size);
     {
       std::lock_guard<std::mutex> lock(self->mutex);
       self->mappings[aligned] = Mapping{size, pinned};
@@ -289,7 +333,7 @@ struct HostArena::Impl {
 
   void release_mappings() noexcept {
     for (const auto& [base, m] : mappings) {
-      if (m.pinned) cuda::host_unregister(reinterpret_cast<void*>(base));
+      if (m.pinned) pinner->unpin(reinterpret_cast<void*>(base), m.bytes);
       munmap(reinterpret_cast<void*>(base), m.bytes);
     }
     mappings.clear();
@@ -301,6 +345,10 @@ HostArena::HostArena(HostArenaOptions options) : impl_(std::make_unique<Impl>())
   STRATA_CHECK(options.alignment >= 4096 && (options.alignment & (options.alignment - 1)) == 0,
                "host arena alignment must be a power of two of at least 4096 bytes, got ", options.alignment);
   impl_->options = options;
+  if (options.pin) {
+    static CudaPinner cuda_pinner;
+    impl_->pinner = options.pinner ? options.pinner.get() : (cuda::probe().devices.empty() ? nullptr : &cuda_pinner);
+  }
   impl_->hooks.alloc = &Impl::hook_alloc;
   impl_->hooks.dalloc = &Impl::hook_dalloc;
   impl_->hooks.destroy = &Impl::hook_destroy;
@@ -338,6 +386,7 @@ HostArena::~HostArena() {
     return;
   }
   impl_->release_mappings();
+  if (impl_->pinner != nullptr) impl_->unpin_overlapping(0, UINT64_MAX);
   for (const Impl::Region* r : {&impl_->small_pages, &impl_->huge_pages}) {
     if (r->base != nullptr) munmap(r->base, Impl::kReserveBytes);
   }
@@ -372,7 +421,9 @@ HostArenaStats HostArena::stats() const {
   s.huge_page_bytes = impl_->huge_live_bytes;
   s.allocated_bytes = impl_->allocated_bytes.load();
   s.mappings = impl_->mappings.size();
-  s.pinned = !impl_->mappings.empty() && impl_->all_pinned;
+  s.pinned = impl_->pinner != nullptr && !impl_->mappings.empty() && impl_->all_pinned && impl_->large_all_pinned;
+  s.pins = impl_->pins;
+  s.pinned_bytes = impl_->pinned_bytes;
   s.numa_bound = !impl_->mappings.empty() && impl_->all_bound;
   s.numa_node = impl_->numa_node;
   return s;

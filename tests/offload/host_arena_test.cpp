@@ -1,12 +1,16 @@
 #include "strata/offload/host_arena.h"
 
 #include <gtest/gtest.h>
+#include <sys/mman.h>
 #include <sys/resource.h>
 
 #include <cstdint>
 #include <algorithm>
 #include <cstring>
 #include <fstream>
+#include <functional>
+#include <map>
+#include <memory>
 #include <string>
 #include <random>
 #include <vector>
@@ -163,6 +167,24 @@ uint64_t churn(HostArena& arena, uint64_t live_limit, uint64_t check_limit, size
   return most;
 }
 
+// churn() under a resident limit of `limit`: the arena's resident bytes,
+// and the process's RSS, stay within it, free ranges released; `also` runs
+// on the arena before it goes. The limit covers jemalloc's own mappings too
+// (its metadata, mapped when the arena is made): live chunks stay that much below it.
+void expect_churn_within(HostArenaOptions o, uint64_t limit, const char* what,
+                         const std::function<void(HostArena&)>& also = nullptr) {
+  o.resident_limit = limit;
+  HostArena bounded(o);
+  const uint64_t own = bounded.stats().mapped_bytes;
+  ASSERT_LT(own, limit / 8);
+  const uint64_t rss_before = vm_rss();
+  EXPECT_LE(churn(bounded, limit - own, limit), limit);
+  EXPECT_GT(bounded.stats().released_bytes, 0u) << "the churn should fragment first fit, or it tests nothing";
+  EXPECT_EQ(bounded.stats().allocated_bytes, 0u);
+  expect_rss_within(rss_before, limit, what);
+  if (also) also(bounded);
+}
+
 // Note [Resident memory within the tier]: first fit over one reservation
 // still fragments, so without a limit this churn holds more resident than
 // ever lives at once; with one, the arena releases free ranges and its
@@ -179,18 +201,7 @@ TEST(HostArena, ResidentBytesStayWithinTheLimitUnderMixedSizeChurn) {
     EXPECT_GT(most, kLive) << "the churn should fragment first fit, or it tests nothing";
     EXPECT_EQ(unbounded.stats().released_bytes, 0u);
   }
-  // The limit covers jemalloc's own mappings too (its metadata, mapped
-  // when the arena is made): live chunks stay that much below it.
-  o.resident_limit = kLive;
-  HostArena bounded(o);
-  const uint64_t own = bounded.stats().mapped_bytes;
-  ASSERT_LT(own, kLive / 8);
-  const uint64_t rss_before = vm_rss();
-  const uint64_t most = churn(bounded, kLive - own, kLive);
-  EXPECT_LE(most, kLive);
-  EXPECT_GT(bounded.stats().released_bytes, 0u);
-  EXPECT_EQ(bounded.stats().allocated_bytes, 0u);
-  expect_rss_within(rss_before, kLive, "the released pages left the process");
+  expect_churn_within(o, kLive, "the released pages left the process");
 }
 
 uint64_t minor_faults() {
@@ -260,6 +271,110 @@ TEST(HostArena, HugePageRoundingStaysWithinTheLimit) {
   EXPECT_LE(most, kLive);
   EXPECT_EQ(bounded.stats().allocated_bytes, 0u);
   expect_rss_within(rss_before, kLive, "huge pages held beyond the limit");
+}
+
+// Page-locking of the CPU's own for the pinned path without a GPU: mlock,
+// which like cudaHostRegister keeps pages resident (madvise MADV_DONTNEED
+// refuses a locked page, so an arena that released a range without
+// unpinning it first would stay above its limit). It records each range, and
+// counts what cudaHostRegister would refuse: a range overlapping a pinned
+// one, an unpin of a range not pinned as such.
+class LockingPinner final : public HostPinner {
+ public:
+  bool pin(void* ptr, size_t bytes) noexcept override {
+    const uint64_t b = reinterpret_cast<uint64_t>(ptr), e = b + bytes;
+    for (const auto& [begin, end] : ranges_) overlaps_ += begin < e && b < end ? 1 : 0;
+    if (mlock(ptr, bytes) != 0) ++unlocked_;  // still recorded: the bookkeeping is checked either way
+    ranges_[b] = e;
+    return true;
+  }
+  void unpin(void* ptr, size_t bytes) noexcept override {
+    const auto it = ranges_.find(reinterpret_cast<uint64_t>(ptr));
+    if (it == ranges_.end() || it->second - it->first != bytes) {
+      ++bad_unpins_;
+      return;
+    }
+    munlock(ptr, bytes);
+    ranges_.erase(it);
+  }
+  // Whether [ptr, ptr + bytes) lies in one pinned range.
+  bool covers(const void* ptr, size_t bytes) const {
+    const uint64_t b = reinterpret_cast<uint64_t>(ptr);
+    auto it = ranges_.upper_bound(b);
+    if (it == ranges_.begin()) return false;
+    --it;
+    return it->first <= b && b + bytes <= it->second;
+  }
+  uint64_t locked_bytes() const {
+    uint64_t n = 0;
+    for (const auto& [begin, end] : ranges_) n += end - begin;
+    return n;
+  }
+  int overlaps() const { return overlaps_; }
+  int bad_unpins() const { return bad_unpins_; }
+  int unlocked() const { return unlocked_; }
+  size_t ranges() const { return ranges_.size(); }
+
+ private:
+  std::map<uint64_t, uint64_t> ranges_;
+  int overlaps_ = 0, bad_unpins_ = 0, unlocked_ = 0;
+};
+
+// Note [Pinned ranges from the reservation]: each large chunk is pinned as
+// one range; a freed chunk's range, taken again as it was, is not pinned
+// again; a chunk over part of a freed one's range unpins it first; and
+// destroying the arena unpins everything.
+TEST(HostArena, PinnedChunksArePinnedAsOneRangeEachAndReused) {
+  auto pinner = std::make_shared<LockingPinner>();
+  HostArenaOptions o;
+  o.pinner = pinner;
+  {
+    HostArena arena(o);
+    const uint64_t own = pinner->locked_bytes();  // jemalloc's own mappings, pinned whole
+    constexpr size_t kBig = size_t{8} << 20, kSmall = size_t{3} << 20;
+    void* a = arena.allocate(kBig);
+    EXPECT_TRUE(pinner->covers(a, kBig));
+    EXPECT_TRUE(arena.stats().pinned);
+    const uint64_t pins = arena.stats().pins;
+    arena.deallocate(a);
+    void* again = arena.allocate(kBig);
+    EXPECT_EQ(again, a) << "first fit should hand the freed range out again";
+    EXPECT_EQ(arena.stats().pins, pins) << "a freed chunk's range, reused as it was, was pinned again";
+    arena.deallocate(again);
+    void* part = arena.allocate(kSmall);  // over the start of the freed 8 MiB range
+    void* next = arena.allocate(kSmall);
+    EXPECT_TRUE(pinner->covers(part, kSmall));
+    EXPECT_TRUE(pinner->covers(next, kSmall));
+    EXPECT_EQ(arena.stats().pins, pins + 2);
+    EXPECT_EQ(arena.stats().pinned_bytes, pinner->locked_bytes() - own);
+    EXPECT_EQ(arena.stats().pinned_bytes, 2 * kSmall) << "the freed 8 MiB range stayed pinned under the new chunks";
+    std::memset(part, 1, kSmall);
+    std::memset(next, 2, kSmall);
+    arena.deallocate(part);
+    arena.deallocate(next);
+    EXPECT_EQ(pinner->overlaps(), 0) << "a range was pinned over one still pinned";
+  }
+  EXPECT_EQ(pinner->ranges(), 0u) << "the destroyed arena left ranges pinned";
+  EXPECT_EQ(pinner->bad_unpins(), 0);
+}
+
+// Note [Pinned ranges from the reservation]: the pinned path under the
+// churn that fragments first fit stays within its resident limit, in the
+// process's RSS too: every release unpins first (with mlock, a release of a
+// locked range fails and the arena stays above its limit).
+TEST(HostArena, PinnedResidentBytesStayWithinTheLimitUnderMixedSizeChurn) {
+  constexpr uint64_t kLive = uint64_t{96} << 20;
+  auto pinner = std::make_shared<LockingPinner>();
+  HostArenaOptions o;
+  o.pinner = pinner;
+  expect_churn_within(o, kLive, "pinned pages held beyond the limit", [&](HostArena& bounded) {
+    EXPECT_LE(pinner->locked_bytes(), kLive);
+    EXPECT_TRUE(bounded.stats().pinned);
+  });
+  EXPECT_EQ(pinner->overlaps(), 0) << "a range was pinned over one still pinned";
+  EXPECT_EQ(pinner->bad_unpins(), 0);
+  EXPECT_EQ(pinner->ranges(), 0u);
+  if (pinner->unlocked() > 0) std::printf("note: mlock refused %d ranges here (no CAP_IPC_LOCK?)\n", pinner->unlocked());
 }
 
 TEST(HostArena, ArenasAreSeparate) {

@@ -25,8 +25,8 @@
 // ExtentAllocator (first fit, lowest address, freed neighbours merged at
 // once) over 1 TiB of address space reserved once with MAP_NORESERVE: only
 // pages handed out are ever touched, and low addresses are reused first, so
-// resident memory stays near the peak of live bytes. Pinned arenas keep the
-// jemalloc path (registration per mapping). Purging freed pages (madvise)
+// resident memory stays near the peak of live bytes. Pinned arenas too
+// (Note [Pinned ranges from the reservation]). Purging freed pages (madvise)
 // was tried instead: every chunk read then faulted its pages in again, and
 // steps ran 4x slower on this machine.
 //
@@ -42,8 +42,25 @@
 // budget (the chunk manager's accounting), so released free pages always
 // bring the arena back within it; a released page that is handed out again
 // faults in as a zero page, a cost paid only when fragmentation would
-// otherwise have grown memory. Pinned arenas (jemalloc's mappings,
-// page-locked) cannot release pages and are not bounded this way.
+// otherwise have grown memory. Pinned arenas are bounded the same way
+// (Note [Pinned ranges from the reservation]).
+//
+// Note [Pinned ranges from the reservation]
+// A pinned arena (a CUDA machine) once took its chunks from jemalloc's
+// mappings, each page-locked whole, and never gave a page back: the
+// fragmentation above then grew it past the tier, with nothing to release.
+// Now its large chunks come from the same reservation, in 4 KiB pages, and
+// each extent handed out is page-locked exactly (one cudaHostRegister
+// over the extent, so a copy never spans two registrations). The
+// registration is kept when the chunk is freed: the next chunk of the same
+// size lands at the same address (first fit; a family's chunks come back
+// each step), and finds it registered. A registration overlapping a new
+// extent, or a free range the resident limit releases, is undone first
+// (cudaHostUnregister, then madvise): a page-locked page cannot be
+// released. Every registration holds one extent, live or freed, so the
+// ones a release or a new extent overlaps are always freed ones.
+// HostArenaOptions::pinner page-locks: CUDA's by default, mlock in the
+// tests, which then run this path without a GPU.
 // The arena is separate from the process heap: a leak or overrun elsewhere in
 // the process does not land in chunk memory, and chunk churn does not
 // fragment the heap LibTorch allocates from.
@@ -78,18 +95,33 @@
 
 namespace strata::offload {
 
+/// How a pinned arena page-locks host memory (Note [Pinned ranges from the
+/// reservation]). Calls come in pairs, unpin(p, n) after pin(p, n) for the
+/// same range, under the arena's lock.
+class HostPinner {
+ public:
+  virtual ~HostPinner() = default;
+  /// Page-locks [ptr, ptr + bytes); false: it could not (the memory stays usable, pageable).
+  virtual bool pin(void* ptr, size_t bytes) noexcept = 0;
+  virtual void unpin(void* ptr, size_t bytes) noexcept = 0;
+};
+
 struct HostArenaOptions {
   /// Page-lock mappings with cudaHostRegister when a CUDA device is usable.
   bool pin = true;
+  /// With `pin`: what page-locks; null: CUDA's cudaHostRegister when a CUDA
+  /// device is usable, else nothing is pinned.
+  std::shared_ptr<HostPinner> pinner;
   /// NUMA node to bind to; unset: the node of the creating thread. Binding
   /// happens only on machines with more than one node.
   std::optional<unsigned> numa_node;
   /// Allocation alignment; a power of two, at least 4 KiB (O_DIRECT, pages).
   size_t alignment = 4096;
-  /// Unpinned: the most bytes the arena may hold resident (mapped_bytes:
-  /// live and freed allocations, and jemalloc's own mappings), less the
-  /// live chunks' rounding to huge pages; 0: no limit (Note [Resident
-  /// memory within the tier], Note [Huge pages for large chunks]).
+  /// The most bytes the arena may hold resident (mapped_bytes: live and
+  /// freed allocations, and jemalloc's own mappings), less the live chunks'
+  /// rounding to huge pages; 0: no limit (Note [Resident memory within the
+  /// tier], Note [Huge pages for large chunks], Note [Pinned ranges from the
+  /// reservation]).
   uint64_t resident_limit = 0;
   /// Unpinned: chunks that fill whole transparent huge pages but for at
   /// most 1/16 of their size in such pages, where the kernel offers them
@@ -103,7 +135,9 @@ struct HostArenaStats {
   uint64_t allocated_bytes = 0;  // live allocations (usable sizes)
   uint64_t huge_page_bytes = 0;  // of those, in the transparent huge pages' reservation
   uint64_t mappings = 0;
-  bool pinned = false;           // every mapping so far was page-locked
+  bool pinned = false;           // every mapping and large chunk so far was page-locked
+  uint64_t pins = 0;             // page-locking calls so far (a freed chunk's range reused as it was makes none)
+  uint64_t pinned_bytes = 0;     // page-locked now, live and freed
   bool numa_bound = false;       // every mapping so far was bound to numa_node
   unsigned numa_node = 0;
 };
