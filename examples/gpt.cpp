@@ -38,8 +38,9 @@
 // of its own, with --zero-stage sharding optimizer state (1), gradients (2)
 // and parameters (3) over them (strata run -n 8 -- gpt --pp 2 --tp 2 --sp 2;
 // strata run -n 4 -- gpt --pp 2: dp 2). The output projection is tied to the
-// token embedding where the layout allows (one stage, mode 1d), else a head
-// of its own (--untied-head asks for that everywhere).
+// token embedding where the layout allows (tensor mode 1d; under a pipeline
+// the first and last stages train tied copies), else a head of its own
+// (--untied-head asks for that everywhere).
 //
 // --lazy constructs the model without memory for its weights (LazyInit), each
 // parameter materialised into its chunks at attach; --preset 3b trains a
@@ -136,10 +137,11 @@ int train(Run a) {
   namespace sp = strata::parallel;
   const sp::Rendezvous rv = sp::Rendezvous::from_env();
   const sp::ModelShape shape{a.mc.dim, a.mc.heads, a.mc.context, a.mc.layers + 2};
-  // The head is tied to the token embedding where the layout allows it: one
-  // stage, and a table a linear layer can use (not a 2D/2.5D/3D one).
+  // The head is tied to the token embedding where the layout allows it: a
+  // table a linear layer can use (not a 2D/2.5D/3D one). Under a pipeline
+  // the first and last stages each train a copy (Note [Parameters across stages]).
   const bool grid = a.plan.tp.size > 1 && a.plan.tp.mode != sp::TensorMode::k1D;
-  a.mc.tied_head = !a.untied_head && a.plan.pp.size == 1 && !grid;
+  a.mc.tied_head = !a.untied_head && !grid;
   if (a.plan.tp.size > 1 && a.plan.tp.layers.empty()) {  // every mode splits by the same module plan
     a.plan.tp.layers = strata::examples::gpt_layers_tensor_parallel_plan(a.mc, a.plan.tp.sequence_parallel);
   }
@@ -182,7 +184,7 @@ int train(Run a) {
              strata::format_bytes(a.opts.budgets.host), strata::format_bytes(a.opts.budgets.nvme),
              a.mc.tied_head ? "tied to the token embedding"
                             : (a.untied_head ? "of its own (--untied-head)"
-                                             : "of its own (a pipeline or a grid mode cannot tie it)"));
+                                             : "of its own (a grid mode cannot tie it)"));
   if (plan.tp.size > 1) {
     fmt::print("tensor parallel ({}, {} ranks): {} parameters on this rank\n", sp::tensor_mode_name(plan.tp.mode),
                plan.tp.size, trainer.report().parameters);
@@ -493,7 +495,8 @@ int run(int argc, char** argv) {
     torch::manual_seed(0);
     torch::nn::Sequential model = strata::examples::gpt_layers(mc);
     const sp::OptimizerConfig cfg = make_optimizer(*model);
-    torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(lr).weight_decay(cfg.weight_decay));
+    const std::vector<torch::Tensor> params = strata::examples::unique_parameters(*model);  // a tied table once
+    torch::optim::AdamW opt(params, torch::optim::AdamWOptions(lr).weight_decay(cfg.weight_decay));
     torch::manual_seed(1);
     const auto t0 = std::chrono::steady_clock::now();
     double loss = 0;
@@ -503,7 +506,7 @@ int run(int argc, char** argv) {
       opt.zero_grad();
       torch::Tensor l = strata::examples::gpt_loss(model->forward(x), y);
       l.backward();
-      if (opts.clip_norm > 0) torch::nn::utils::clip_grad_norm_(model->parameters(), opts.clip_norm);
+      if (opts.clip_norm > 0) torch::nn::utils::clip_grad_norm_(params, opts.clip_norm);
       opt.step();
       loss = l.item<double>();
     }

@@ -284,7 +284,7 @@ examples::GptConfig model_config(const HybridBenchOptions& o) {
 double one_process_step(const HybridBenchOptions& o, int replicas) {
   torch::manual_seed(0);
   torch::nn::Sequential model = examples::gpt_layers(model_config(o));
-  torch::optim::AdamW adamw(model->parameters(), torch::optim::AdamWOptions(1e-3));
+  torch::optim::AdamW adamw(examples::unique_parameters(*model), torch::optim::AdamWOptions(1e-3));
   const torch::Tensor x = torch::randint(0, 256, {o.batch * replicas, o.context});
   std::vector<double> t;
   for (int s = 0; s <= o.steps; ++s) {

@@ -105,7 +105,8 @@ Row run_baseline(const GptConfig& mc, const Batches& data, const StepBenchOption
   const torch::Device device = compute_device();
   model->to(device);
   parallel::AdamWConfig cfg;
-  torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(cfg.lr).weight_decay(cfg.weight_decay));
+  const std::vector<torch::Tensor> params = examples::unique_parameters(*model);  // a tied table once
+  torch::optim::AdamW opt(params, torch::optim::AdamWOptions(cfg.lr).weight_decay(cfg.weight_decay));
   std::vector<double> times;
   Row r;
   for (size_t i = 0; i < data.size(); ++i) {
@@ -114,7 +115,7 @@ Row run_baseline(const GptConfig& mc, const Batches& data, const StepBenchOption
       opt.zero_grad();
       torch::Tensor loss = examples::gpt_loss(model->forward(x), y);
       loss.backward();
-      torch::nn::utils::clip_grad_norm_(model->parameters(), 1.0);
+      torch::nn::utils::clip_grad_norm_(params, 1.0);
       opt.step();
       r.loss = loss.item<double>();  // waits for the device
     });

@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <unordered_set>
 #include <vector>
 
 #include "strata/core/error.h"
@@ -63,7 +64,9 @@ namespace {
 // The GPT's initialisation: N(0, 0.02) matrices, zero vectors, LayerNorm (names with "ln") as built.
 void init_like_gpt(torch::nn::Module& m) {
   torch::NoGradGuard no_grad;
+  std::unordered_set<const c10::TensorImpl*> seen;  // a tied table once, under its first name
   for (auto& p : m.named_parameters()) {
+    if (!seen.insert(p.value().unsafeGetTensorImpl()).second) continue;
     if (p.key().find("ln") != std::string::npos) continue;
     if (p.value().dim() >= 2) {
       p.value().normal_(0.0, 0.02);
@@ -122,14 +125,20 @@ struct GptStageBlockImpl : torch::nn::Module {
 TORCH_MODULE(GptStageBlock);
 
 // The final norm and the output projection: a Linear of its own, or tied
-// to the embedding's table (held, not registered: the embedding owns it).
+// to the embedding's table, registered here as "tok" too, so that a pipeline
+// cutting the head onto another stage ties the two (Note [Parameters across
+// stages]); its first name stays "0.tok.weight".
 struct GptHeadImpl : torch::nn::Module {
   torch::nn::LayerNorm ln{nullptr};
   torch::nn::Linear out{nullptr};
   torch::nn::Embedding tied{nullptr};
   GptHeadImpl(int dim, int vocab, torch::nn::Embedding tok) : tied(std::move(tok)) {
     ln = register_module("ln", torch::nn::LayerNorm(torch::nn::LayerNormOptions({dim})));
-    if (!tied) out = register_module("out", torch::nn::Linear(torch::nn::LinearOptions(dim, vocab).bias(false)));
+    if (tied) {
+      register_module("tok", tied);
+    } else {
+      out = register_module("out", torch::nn::Linear(torch::nn::LinearOptions(dim, vocab).bias(false)));
+    }
   }
   torch::Tensor forward(const torch::Tensor& x) {
     return tied ? torch::nn::functional::linear(ln->forward(x), tied->weight) : out->forward(ln->forward(x));
@@ -176,9 +185,18 @@ strata::parallel::ParallelPlan gpt_layers_tensor_parallel_plan(const GptConfig& 
   return plan;
 }
 
+std::vector<torch::Tensor> unique_parameters(torch::nn::Module& module) {
+  std::vector<torch::Tensor> out;
+  std::unordered_set<const c10::TensorImpl*> seen;
+  for (const auto& p : module.parameters()) {
+    if (seen.insert(p.unsafeGetTensorImpl()).second) out.push_back(p);
+  }
+  return out;
+}
+
 int64_t count_parameters(torch::nn::Module& module) {
   int64_t n = 0;
-  for (const auto& p : module.parameters()) n += p.numel();
+  for (const auto& p : unique_parameters(module)) n += p.numel();
   return n;
 }
 

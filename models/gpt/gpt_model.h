@@ -6,6 +6,7 @@
 #include <torch/torch.h>
 
 #include <string>
+#include <vector>
 
 #include "strata/parallel/parallelize.h"
 #include "strata/parallel/sequence_parallel.h"
@@ -25,11 +26,11 @@ struct GptConfig {
   /// host memory until its backward (strata::parallel::offload_activations).
   bool offload_blocks = false;
   /// The output projection tied to the token embedding (false: a head of
-  /// its own). A tied head uses the first layer's table, so the model must
-  /// stay one pipeline stage: cut into stages, the head's stage would use a
-  /// copy of the table that no engine updates. A 2D/2.5D/3D table cannot be
-  /// a linear layer's weight either. So false by default; examples/gpt ties
-  /// it where the layout allows.
+  /// its own). The head registers the first layer's table as "<L+1>.tok"
+  /// too, so a pipeline cutting them apart ties the two stages' copies; a
+  /// plain LibTorch optimizer takes unique_parameters(). A 2D/2.5D/3D table
+  /// cannot be a linear layer's weight. So false by default; examples/gpt
+  /// ties it except in the grid modes.
   bool tied_head = false;
   /// Sequence parallelism: this rank holds some of each sequence's
   /// positions. Every block's attention runs through it, and the embedding
@@ -59,7 +60,8 @@ TORCH_MODULE(GptBlock);
 /// gpt_layers_tensor_parallel_plan, shards its sequences): layer 0 the
 /// embedding (tokens and positions: "0.tok", "0.pos"), layers 1..L the
 /// blocks ("<i>.block.qkv", ...), layer L + 1 the head (final norm "<L+1>.ln"
-/// and, untied, the output projection "<L+1>.out"). Token ids [batch, time]
+/// and the output projection: untied "<L+1>.out", tied "<L+1>.tok", the
+/// embedding's table again). Token ids [batch, time]
 /// in, logits [batch, time, vocab] out. Matrices N(0, 0.02), vectors zero,
 /// LayerNorms as built.
 torch::nn::Sequential gpt_layers(const GptConfig& config);
@@ -76,6 +78,11 @@ torch::Tensor gpt_loss(const torch::Tensor& logits, const torch::Tensor& y);
 /// the positions (the context must divide too).
 strata::parallel::ParallelPlan gpt_layers_tensor_parallel_plan(const GptConfig& config, bool sequence_parallel = false);
 
+/// Each parameter once, in named_parameters() order (LibTorch's parameters()
+/// lists a tied table under both its names): what a plain LibTorch optimizer
+/// and clip_grad_norm_ take.
+std::vector<torch::Tensor> unique_parameters(torch::nn::Module& module);
+/// The elements of unique_parameters(module).
 int64_t count_parameters(torch::nn::Module& module);
 
 /// `path`, or Debian's fortunes-min corpus (/usr/share/games/fortunes) when

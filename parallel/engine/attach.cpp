@@ -129,6 +129,11 @@ Engine::Impl::Impl(torch::nn::Module& module, OptimizerConfig optimizer, EngineO
                "backward are then exact) or update_in_backward false");
   assign_groups(ctx);
   tied = std::make_unique<TiedParameters>(ctx);  // Note [Tied parameters across stages]
+  if (options.update_in_backward && !tied->empty()) {
+    STRATA_LOG(kWarn, "update_in_backward: this stage holds a parameter tied to another pipeline stage (a head tied "
+               "to the token embedding), whose gradient is summed with the other copies' after backward; every "
+               "family's update waits for the step. Untie it to update in backward");
+  }
   register_parameters(ctx);
   if (ctx.data_parallel()) check_same_layout_on_every_rank(ctx);  // before any collective pairs buffers
 
