@@ -68,6 +68,11 @@ struct Engine::Impl::CheckpointSave {
     STRATA_CHECK(!mid || !s.data_parallel(), "save() after micro-step ",
                  impl.micro_steps % s.options.grad_accumulation, " of ", s.options.grad_accumulation,
                  ": data parallel gradients mid-accumulation are each rank's own; save on an accumulation boundary");
+    // Note [Tied parameters across stages]: each copy's gradient is its own stage's until the boundary sums them.
+    STRATA_CHECK(!mid || !s.stages_tied, "save() after micro-step ", impl.micro_steps % s.options.grad_accumulation,
+                 " of ", s.options.grad_accumulation, ": a parameter tied across pipeline stages has a partial "
+                 "gradient on each stage until the accumulation ends, and a checkpoint holds one; save on an "
+                 "accumulation boundary");
     check_tensor_groups();
     if (writer) {
       choose_pieces();

@@ -24,7 +24,9 @@
 //     contributes 1/stage_copies of its squares (as tensor parallelism's
 //     replicated parts do, Note [Clipping across the tensor group]);
 //   - a checkpoint holds it once, from the lowest pipeline rank holding it
-//     (CheckpointSave::choose_pieces); every copy loads it by that name.
+//     (CheckpointSave::choose_pieces); every copy loads it by that name. A
+//     save mid-accumulation is refused: each copy's gradient is then still
+//     its own stage's part, and a checkpoint holds one.
 // The sum needs the whole gradient after backward, so with tied parameters
 // the step takes gradient statistics after backward, and updates in
 // backward wait for the step (as with a hook before the step).

@@ -222,7 +222,9 @@ struct Args {
 // attention), no-layers (tp 2 without a module plan), grid (tp 4 in mode 2d
 // with a module plan that leaves the linear layers out),
 // zero (engine options asking for another ZeRO stage than the plan's),
-// tied-across-stages (the last layer using the first's table by reference,
+// tied-mid-accumulation (a table tied across stages, saved after the first
+// of two accumulation micro-steps: each copy's gradient is still its own
+// stage's), tied-across-stages (the last layer using the first's table by reference,
 // without registering it: found on the last stage's rank after the first
 // step's passes, and refused there and on every other rank alike).
 int refusals(const Args& a) {
@@ -248,29 +250,38 @@ int refusals(const Args& a) {
     plan.zero_stage = 1;
     o.zero_stage = 3;
     want = "the plan's zero_stage decides";
+  } else if (a.refuse == "tied-mid-accumulation") {
+    plan.pp.size = r.world_size;
+    o.grad_accumulation = 2;
+    want = "save on an accumulation boundary";
   } else if (a.refuse == "tied-across-stages") {
     plan.pp.size = r.world_size;
     want = "which another stage owns (it got a gradient on that rank)";
   } else {
-    STRATA_FAIL("unknown --refuse case ", a.refuse, "; choose no-attention, no-layers, grid, zero or "
-                "tied-across-stages");
+    STRATA_FAIL("unknown --refuse case ", a.refuse, "; choose no-attention, no-layers, grid, zero, "
+                "tied-mid-accumulation or tied-across-stages");
   }
   plan = plan.validated(r.world_size);
   DeviceMesh mesh = DeviceMesh::create(world, plan.dims());
-  const bool tied = a.refuse == "tied-across-stages";
-  torch::nn::Sequential model = tied ? make_tied_model(/*registered=*/false) : make_model(nullptr);
+  const bool tied = a.refuse == "tied-across-stages" || a.refuse == "tied-mid-accumulation";
+  torch::nn::Sequential model = tied ? make_tied_model(/*registered=*/a.refuse == "tied-mid-accumulation")
+                                     : make_model(nullptr);
   std::string got = "no error";
+  const double tag = all_gather_values(*world, {static_cast<double>(::getpid())})[0];
+  const std::string dir = fmt::format("/tmp/strata-hybrid-refuse-{:.0f}", tag);
   try {
     Trainer trainer(model, mesh, plan, OptimizerConfig::from(AdamWConfig{}), o);
-    if (a.refuse == "tied-across-stages") {
+    if (tied) {
       const auto [x, y] = batch(0, 0, a.batch);
       trainer.step(x, y, loss_of);
     }
+    if (a.refuse == "tied-mid-accumulation") trainer.save(dir);
   } catch (const strata::Error& e) {
     got = e.what();
   }
   STRATA_CHECK(got.find(want) != std::string::npos, "--refuse ", a.refuse, ": expected an error saying \"", want,
                "\", got: ", got);
+  STRATA_CHECK(!std::filesystem::exists(dir), "--refuse ", a.refuse, ": the refused save left ", dir, " behind");
   std::printf("rank %d: refused (%s): %s\n", r.rank, a.refuse.c_str(), got.c_str());
   std::fflush(stdout);
   // Rank 0 serves the store: no rank leaves while another still forms its
