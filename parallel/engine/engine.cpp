@@ -224,26 +224,14 @@ StepResult Engine::Impl::run_step(const std::function<double(double)>& passes,
     }
     if (reducer && boundary_) reducer->finish();
     if (boundary_ && !tied->empty()) {  // Note [Tied parameters across stages]
-      access->open_grads(1.0);
-      try {
-        tied->sum_gradients(*access);
-      } catch (...) {
-        access->close_grads();
-        throw;
-      }
-      access->close_grads();
+      ParamAccess::OpenGrads open(*access, 1.0);
+      tied->sum_gradients(*access);
     }
     if (boundary_ && before_step) {
       pipeline->track_gradients(false);  // the user's hook may change gradients: the step takes their statistics
       // The gradients the step applies, before clipping: Engine::grad().
-      access->open_grads(1.0 / (ctx.options.grad_accumulation * ctx.world() * r.loss_scale));
-      try {
-        before_step();
-      } catch (...) {
-        access->close_grads();
-        throw;
-      }
-      access->close_grads();
+      ParamAccess::OpenGrads open(*access, 1.0 / (ctx.options.grad_accumulation * ctx.world() * r.loss_scale));
+      before_step();
     }
   } catch (...) {
     abandon_step();

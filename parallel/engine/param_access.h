@@ -71,6 +71,17 @@ class ParamAccess {
   /// applies (loss scale, accumulation and ranks divided out).
   void open_grads(double factor) { grad_factor_ = factor; grads_open_ = true; }
   void close_grads() { grads_open_ = false; }
+  /// open_grads(factor) for its scope.
+  class OpenGrads {
+   public:
+    OpenGrads(ParamAccess& access, double factor) : access_(access) { access_.open_grads(factor); }
+    ~OpenGrads() { access_.close_grads(); }
+    OpenGrads(const OpenGrads&) = delete;
+    OpenGrads& operator=(const OpenGrads&) = delete;
+
+   private:
+    ParamAccess& access_;
+  };
   /// Parameter `i`'s gradient in fp32 (undefined when no rank used it this step).
   torch::Tensor grad(size_t i);
   void set_grad(size_t i, const torch::Tensor& g);

@@ -69,7 +69,6 @@ TiedParameters::TiedParameters(EngineContext& ctx) : ctx_(ctx) {
   for (auto& [ranks, params] : by_ranks) {  // rank sets in order: the same splits on every member
     std::sort(params.begin(), params.end());
     Tie t;
-    t.ranks = ranks;
     for (const auto& [key, i] : params) t.params.push_back(i);
     t.group = pipe->split(ranks, fmt::format("strata.tied.{}", fmt::join(ranks, "-")));
     ties_.push_back(std::move(t));
@@ -79,18 +78,21 @@ TiedParameters::TiedParameters(EngineContext& ctx) : ctx_(ctx) {
 void TiedParameters::sum_gradients(ParamAccess& access) {
   torch::NoGradGuard no_grad;
   for (Tie& t : ties_) {
-    for (size_t i : t.params) {
+    // Which stages used each parameter: a copy none used keeps no gradient, as in one process.
+    std::vector<double> used;
+    for (size_t i : t.params) used.push_back(ctx_.params[i].has_grad ? 1.0 : 0.0);
+    const std::vector<double> all = all_gather_values(*t.group, used);
+    for (size_t k = 0; k < t.params.size(); ++k) {
+      bool any = false;
+      for (size_t r = 0; r < all.size() / used.size(); ++r) any = any || all[r * used.size() + k] != 0.0;
+      if (!any) continue;
+      const size_t i = t.params[k];
       const ManagedParam& p = ctx_.params[i];
-      // The gradient as the chunks hold it (the access's factor is 1), and
-      // whether this stage used the parameter, summed over the stages.
-      torch::Tensor g = p.has_grad ? access.grad(i) : torch::Tensor();
-      torch::Tensor buf = torch::zeros({p.numel + 1}, torch::kFloat32);
-      if (g.defined()) buf.narrow(0, 0, p.numel).copy_(g.reshape({-1}));
-      buf[p.numel] = p.has_grad ? 1.0f : 0.0f;
-      if (t.group->device_buffers()) buf = buf.to(ctx_.device);
-      all_reduce(*t.group, buf)->wait();
-      buf = buf.cpu();
-      if (buf[p.numel].item<float>() > 0) access.set_grad(i, buf.narrow(0, 0, p.numel).view(p.shape));
+      // The gradient as the chunks hold it (the access's factor is 1): a copy of its own, summed in place.
+      torch::Tensor g = p.has_grad ? access.grad(i).contiguous() : torch::zeros(p.shape, torch::kFloat32);
+      if (t.group->device_buffers()) g = g.to(ctx_.device);
+      all_reduce(*t.group, g)->wait();
+      access.set_grad(i, g.cpu());
     }
   }
 }

@@ -17,8 +17,8 @@
 //     group in the same order on every member;
 //   - after backward and the data-parallel reductions, each tied gradient is
 //     summed over its stages (an all-reduce over the tie's group, tied
-//     parameters in name order, with a flag that says whether any stage used
-//     it), so every copy gets the gradient one process's parameter gets,
+//     parameters in name order, after one small gather of which stages used
+//     each), so every copy gets the gradient one process's parameter gets,
 //     and the copies update alike from equal state;
 //   - the gradient norm counts each tied parameter once: each copy
 //     contributes 1/stage_copies of its squares (as tensor parallelism's
@@ -54,9 +54,8 @@ class TiedParameters {
 
  private:
   struct Tie {
-    std::vector<int> ranks;                // pipeline ranks holding the copies, ascending
     std::vector<size_t> params;            // this rank's copies, by name
-    std::unique_ptr<Communicator> group;   // over `ranks`
+    std::unique_ptr<Communicator> group;   // over the pipeline ranks holding them
   };
   EngineContext& ctx_;
   std::vector<Tie> ties_;

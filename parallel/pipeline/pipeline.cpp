@@ -182,8 +182,8 @@ struct Pipeline::Impl {
   // the other ranks' stages' ones by their index there: none may get a gradient here.
   std::vector<std::string> names;
   std::vector<std::pair<size_t, torch::Tensor>> foreign;
-  std::map<std::string, std::string> tied_names;   // a tied parameter's later names -> its first
-  std::map<std::string, std::string> tied_staged;  // the same -> "stage<s>.<first>" (its first stage's module name)
+  // A tied parameter's later names ("<layer>.<name>") -> its first stage and first name.
+  std::map<std::string, std::pair<int, std::string>> tied_names;
   std::shared_ptr<StagesModule> holder = std::make_shared<StagesModule>();
   std::map<int, torch::nn::Sequential> stage_modules;  // by virtual stage
   std::vector<Action> actions;
@@ -580,6 +580,14 @@ struct Pipeline::Impl {
   }
 };
 
+namespace {
+// A stage's module name of a parameter ("stage<s>.<layer>.<name>") as the model's own ("<layer>.<name>").
+std::string model_name(const std::string& name) {
+  const size_t dot = name.find('.');
+  return name.rfind("stage", 0) == 0 && dot != std::string::npos ? name.substr(dot + 1) : name;
+}
+}  // namespace
+
 Pipeline::Pipeline(torch::nn::Sequential model, std::shared_ptr<Communicator> group, PipelineOptions options,
                    std::vector<int> boundaries)
     : impl_(std::make_unique<Impl>(std::move(group), options)) {
@@ -619,8 +627,7 @@ Pipeline::Pipeline(torch::nn::Sequential model, std::shared_ptr<Communicator> gr
   };
   std::vector<Use> uses;
   std::unordered_map<const c10::TensorImpl*, size_t> use_of;
-  std::map<std::string, std::string> tied_names;  // a later stage's name of a tied parameter -> its first
-  std::map<std::string, std::string> tied_staged;  // the same -> its first stage's module name of it
+  std::map<std::string, std::pair<int, std::string>> tied_names;  // a later name of a tied parameter -> its first
   for (int s = 0; s < d.S; ++s) {
     for (int i = boundaries[s]; i < boundaries[s + 1]; ++i) {
       for (const auto& item : (model->begin() + i)->ptr()->named_parameters()) {
@@ -628,10 +635,7 @@ Pipeline::Pipeline(torch::nn::Sequential model, std::shared_ptr<Communicator> gr
         const auto [it, fresh] = use_of.emplace(item.value().unsafeGetTensorImpl(), uses.size());
         if (fresh) uses.push_back({name, {}, item.value()});
         Use& u = uses[it->second];
-        if (!fresh && name != u.first) {
-          tied_names.emplace(name, u.first);
-          tied_staged.emplace(name, fmt::format("stage{}.{}", u.stages.front(), u.first));
-        }
+        if (!fresh && name != u.first) tied_names.emplace(name, std::make_pair(u.stages.front(), u.first));
         if (u.stages.empty() || u.stages.back() != s) u.stages.push_back(s);
       }
     }
@@ -648,7 +652,6 @@ Pipeline::Pipeline(torch::nn::Sequential model, std::shared_ptr<Communicator> gr
     }
   }
   d.tied_names = std::move(tied_names);
-  d.tied_staged = std::move(tied_staged);
   for (int c = 0; c < d.v; ++c) {
     const int s = c * d.p + d.r;
     torch::nn::Sequential seq;
@@ -684,18 +687,16 @@ Engine& Pipeline::attach(OptimizerConfig optimizer, EngineOptions options, std::
   // one process, where the module lists it under that name first.
   if (d.model_names) {
     options.checkpoint_name = [tied = d.tied_names](const std::string& name) {
-      const size_t dot = name.find('.');
-      std::string own = name.rfind("stage", 0) == 0 && dot != std::string::npos ? name.substr(dot + 1) : name;
+      const std::string own = model_name(name);
       const auto it = tied.find(own);
-      return it == tied.end() ? own : it->second;
+      return it == tied.end() ? own : it->second.second;
     };
-    if (!d.tied_staged.empty()) {
+    if (!d.tied_names.empty()) {
       for (ParamGroup& g : optimizer.groups) {
         if (!g.select) continue;
-        g.select = [inner = g.select, tied = d.tied_staged](const std::string& name, const std::vector<int64_t>& shape) {
-          const size_t dot = name.find('.');
-          const auto it = tied.find(name.rfind("stage", 0) == 0 && dot != std::string::npos ? name.substr(dot + 1) : name);
-          return inner(it == tied.end() ? name : it->second, shape);
+        g.select = [inner = g.select, tied = d.tied_names](const std::string& name, const std::vector<int64_t>& shape) {
+          const auto it = tied.find(model_name(name));  // a later copy: its first stage's name
+          return inner(it == tied.end() ? name : fmt::format("stage{}.{}", it->second.first, it->second.second), shape);
         };
       }
     }

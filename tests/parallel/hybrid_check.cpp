@@ -462,16 +462,17 @@ int run(const Args& a) {
   }
   Trainer trainer(model, mesh, plan, optimizer, o, shape);
   // Each parameter once: LibTorch's parameters() lists a tied table under both its names.
+  const torch::Tensor table = reference->named_parameters()["0.tok.weight"];
   std::vector<torch::Tensor> ref_params, ref_rest;
   for (const torch::Tensor& p : reference->parameters()) {
     const bool seen = std::any_of(ref_params.begin(), ref_params.end(), [&](const torch::Tensor& q) { return q.is_same(p); });
     if (seen) continue;
     ref_params.push_back(p);
-    if (!a.tied || !p.is_same(reference->named_parameters()["0.tok.weight"])) ref_rest.push_back(p);
+    if (!a.tied || !p.is_same(table)) ref_rest.push_back(p);
   }
   std::vector<torch::optim::OptimizerParamGroup> ref_groups;
   if (a.tied) {
-    ref_groups.emplace_back(std::vector<torch::Tensor>{reference->named_parameters()["0.tok.weight"]},
+    ref_groups.emplace_back(std::vector<torch::Tensor>{table},
                             std::make_unique<torch::optim::AdamWOptions>(
                                 torch::optim::AdamWOptions(2 * cfg.lr).weight_decay(0.0)));
   }
