@@ -92,7 +92,10 @@ ChunkManager::ChunkManager(ChunkManagerOptions options)
 
 ChunkManager::~ChunkManager() {
   copier_.reset();  // finish prefetches first: they use the chunks below
-  for (auto& c : chunks_) free_payload(*c);
+  for (auto& c : chunks_) {
+    drop_kept_copy(*c);
+    free_payload(*c);
+  }
   while (!host_frees_.empty()) {
     try {
       host_frees_.oldest().synchronize();  // the copy still reads it
@@ -274,6 +277,7 @@ void* ChunkManager::overwrite(ChunkId id, Tier tier) {
     const size_t bytes = c.alloc_bytes();
     make_room(tier, bytes, c, lock);
     void* ptr = allocate_zeroed(tier, bytes);
+    drop_kept_copy(c);
     free_payload(c);
     c.ptr_ = ptr;
     c.location_ = tier;
@@ -342,6 +346,11 @@ void ChunkManager::materialize(Chunk& c, Tier to, Lock& lock) {
 void ChunkManager::transfer(Chunk& c, Tier to, Lock& lock) {
   const Tier from = *c.location_;
   STRATA_ASSERT(from != to, "transfer to the tier the chunk is on");
+  if (to == Tier::kNvme && c.nvme_kept_) {
+    // Note [Clean copies on NVMe]: only a host payload is compared; the device's would need copying out first.
+    if (from == Tier::kHost && return_to_kept_copy(c, lock)) return;
+    drop_kept_copy(c);
+  }
   const size_t bytes = c.alloc_bytes();
   make_room(to, bytes, c, lock);
   // Reserve the destination; from here both copies count against their budgets.
@@ -405,7 +414,16 @@ void ChunkManager::transfer(Chunk& c, Tier to, Lock& lock) {
     idle_.notify_all();
     std::rethrow_exception(failure);
   }
-  free_payload(c, arrival);  // a host source goes back once the copy read it
+  if (from == Tier::kNvme && keeps_nvme_copy(c)) {
+    // Note [Clean copies on NVMe]: the stored copy stays, counted as kept.
+    account(Tier::kNvme, 0, -1);
+    stats_[static_cast<int>(Tier::kNvme)].kept += bytes;
+    kept_.push_back(c.id_);
+    c.nvme_kept_ = true;
+    policy_->on_leave(c.id_, Tier::kNvme);
+  } else {
+    free_payload(c, arrival);  // a host source goes back once the copy read it
+  }
   c.ptr_ = dst;
   c.location_ = to;
   if (to == Tier::kNvme) c.nvme_view_ = std::move(view);
@@ -418,6 +436,62 @@ void ChunkManager::transfer(Chunk& c, Tier to, Lock& lock) {
   if (from == Tier::kNvme && !t_in_prefetch) moves_.nvme_demand_read_by_role[static_cast<size_t>(c.role())] += bytes;
   if (to == Tier::kNvme) moves_.nvme_written_by_role[static_cast<size_t>(c.role())] += bytes;
   idle_.notify_all();
+}
+
+bool ChunkManager::keeps_nvme_copy(const Chunk& c) const noexcept {
+  return c.role_ == ChunkRole::kParam && nvme_->compares_copies();
+}
+
+bool ChunkManager::return_to_kept_copy(Chunk& c, Lock& lock) {
+  const size_t bytes = c.alloc_bytes();
+  const void* src = c.ptr_;
+  const ChunkId key = c.id_;
+  const bool param = c.role_ == ChunkRole::kParam;
+  std::shared_ptr<const void> view;
+  // `c` is busy (this move), so its payload and its kept copy stay while the lock is released.
+  lock.unlock();
+  bool same = false;
+  try {
+    same = nvme_->holds_same(key, src, bytes);
+    // Note [Parameters on NVMe stay readable]
+    if (same && param) view = nvme_->view(key);
+  } catch (...) {
+    same = false;  // unknown: written as any other chunk
+  }
+  lock.lock();
+  if (!same) return false;
+  free_payload(c);
+  kept_.erase(std::find(kept_.begin(), kept_.end(), c.id_));
+  stats_[static_cast<int>(Tier::kNvme)].kept -= bytes;
+  c.nvme_kept_ = false;
+  c.location_ = Tier::kNvme;
+  account(Tier::kNvme, 0, 1);
+  c.nvme_view_ = std::move(view);
+  placed(c);
+  moves_.nvme_kept_by_role[static_cast<size_t>(c.role_)] += bytes;
+  idle_.notify_all();
+  return true;
+}
+
+void ChunkManager::drop_kept_copy(Chunk& c) noexcept {
+  if (!c.nvme_kept_) return;
+  nvme_->discard(c.id_);
+  const size_t bytes = c.alloc_bytes();
+  stats_[static_cast<int>(Tier::kNvme)].kept -= bytes;
+  account(Tier::kNvme, -static_cast<int64_t>(bytes), 0);
+  kept_.erase(std::find(kept_.begin(), kept_.end(), c.id_));
+  c.nvme_kept_ = false;
+  idle_.notify_all();  // room on nvme
+}
+
+bool ChunkManager::drop_a_kept_copy() {
+  for (ChunkId id : kept_) {
+    Chunk& c = *chunks_[id];
+    if (c.busy_) continue;  // its move may be comparing against the copy
+    drop_kept_copy(c);
+    return true;
+  }
+  return false;
 }
 
 // Note [Waiting for moves leaving the tier]
@@ -441,6 +515,8 @@ void ChunkManager::make_room(Tier tier, size_t bytes, const Chunk& requester, Lo
   while (s.used + bytes > s.budget) {
     // Sources of copies still in flight to the device go back before anything is evicted.
     if (tier == Tier::kHost && settle_host_frees(lock, /*wait=*/true)) continue;
+    // Note [Clean copies on NVMe]: kept copies are a cache, the first room given up.
+    if (tier == Tier::kNvme && drop_a_kept_copy()) continue;
     // Note [Waiting for moves leaving the tier]
     if (outgoing_bytes_[static_cast<int>(tier)] > 0 &&
         s.used - outgoing_bytes_[static_cast<int>(tier)] + bytes <= s.budget) {
@@ -578,6 +654,7 @@ void ChunkManager::release(ChunkId id) {
   wait_idle(c, lock);
   STRATA_CHECK(c.movable(), "cannot release ", c.describe(), ": ", c.compute_count_,
                " of its tensors are in COMPUTE");
+  drop_kept_copy(c);
   free_payload(c);
   placed(c);
   idle_.notify_all();  // space freed: requests waiting for room may proceed

@@ -321,6 +321,17 @@ void NvmeStore::discard(int64_t key) noexcept {
   impl_->stats.chunks = impl_->records.size();
 }
 
+bool NvmeStore::holds_same(int64_t key, const void* src, size_t bytes) const {
+  uint64_t recorded = 0;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    const auto it = impl_->records.find(key);
+    if (it == impl_->records.end() || it->second.bytes != bytes) return false;
+    recorded = it->second.checksum;
+  }
+  return XXH3_64bits(src, bytes) == recorded;  // hashed without the lock: completions take it
+}
+
 bool NvmeStore::contains(int64_t key) const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   return impl_->records.count(key) != 0;

@@ -256,10 +256,16 @@ void run_scale_bench(const ScaleBenchOptions& o) {
       const uint64_t rd = moves_after.nvme_read_by_role[r] - moves_before.nvme_read_by_role[r];
       const uint64_t wr = moves_after.nvme_written_by_role[r] - moves_before.nvme_written_by_role[r];
       const uint64_t demand = moves_after.nvme_demand_read_by_role[r] - moves_before.nvme_demand_read_by_role[r];
+      // Note [Clean copies on NVMe]: evictions that found their copy unchanged and wrote nothing.
+      const uint64_t kept = moves_after.nvme_kept_by_role[r] - moves_before.nvme_kept_by_role[r];
       const char* name = mem::chunk_role_name(static_cast<mem::ChunkRole>(r));
-      by_role[name] = {{"read_bytes", rd}, {"demand_read_bytes", demand}, {"written_bytes", wr}};
-      if (rd + wr > 0) roles += fmt::format("{}{} {} ({} on demand) / {}", roles.empty() ? "" : ", ", name,
-                                            format_bytes(rd), format_bytes(demand), format_bytes(wr));
+      by_role[name] = {{"read_bytes", rd}, {"demand_read_bytes", demand}, {"written_bytes", wr},
+                       {"kept_clean_bytes", kept}};
+      if (rd + wr + kept > 0) {
+        roles += fmt::format("{}{} {} ({} on demand) / {}", roles.empty() ? "" : ", ", name, format_bytes(rd),
+                             format_bytes(demand), format_bytes(wr));
+        if (kept > 0) roles += fmt::format(" (+{} clean, not written)", format_bytes(kept));
+      }
     }
     const uint64_t read = after.read - before.read, written = after.written - before.written;
     const double moved_s = memory::Traffic{read, written}.seconds(read_gbps, write_gbps);
@@ -332,8 +338,9 @@ void run_scale_bench(const ScaleBenchOptions& o) {
                      {"tokens_per_second", tokens_per_s}};
     fmt::print("{}\n", j.dump(2));
   } else {
-    fmt::print("tokens/s {:.2f}; nvme tier peak {} of budget {}\n", tokens_per_s, format_bytes(nvme.peak),
-               format_bytes(nvme.budget));
+    fmt::print("tokens/s {:.2f}; nvme tier peak {} of budget {} (with the clean copies kept for chunks above it: "
+               "{} at the end)\n",
+               tokens_per_s, format_bytes(nvme.peak), format_bytes(nvme.budget), format_bytes(nvme.kept));
     fmt::print("peak RSS +{} against the target {} (host budget{} + 1 GiB): {}\n", format_bytes(peak),
                format_bytes(target), emulated ? " + emulated device budget" : "",
                peak <= target ? "within" : "over");

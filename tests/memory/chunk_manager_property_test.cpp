@@ -74,6 +74,7 @@ TEST_P(PropertyTest, RandomSequencesKeepBudgetsAndContents) {
 
   auto verify = [&](int step) {
     uint64_t used[kNumTiers] = {0, 0, 0};
+    uint64_t kept = 0;
     int64_t count[kNumTiers] = {0, 0, 0};
     for (ChunkId id : all) {
       const Chunk& c = mgr.chunk(id);
@@ -81,6 +82,7 @@ TEST_P(PropertyTest, RandomSequencesKeepBudgetsAndContents) {
       ASSERT_EQ(c.location().has_value(), e.has_payload) << "step " << step << " " << c.describe();
       if (!e.has_payload) continue;
       used[static_cast<int>(*c.location())] += c.alloc_bytes();
+      if (c.nvme_copy_kept()) kept += c.alloc_bytes();  // Note [Clean copies on NVMe]
       count[static_cast<int>(*c.location())] += 1;
       std::vector<unsigned char> got(c.payload_bytes());
       mgr.read(id, got.data(), got.size());
@@ -90,7 +92,10 @@ TEST_P(PropertyTest, RandomSequencesKeepBudgetsAndContents) {
       const TierStats s = mgr.tier_stats(static_cast<Tier>(t));
       ASSERT_LE(s.used, s.budget) << "step " << step << " tier " << tier_name(static_cast<Tier>(t));
       ASSERT_LE(s.peak, s.budget);
-      ASSERT_EQ(s.used, used[t]) << "step " << step << " accounting of " << tier_name(static_cast<Tier>(t));
+      const bool nvme = static_cast<Tier>(t) == Tier::kNvme;
+      ASSERT_EQ(s.used, used[t] + (nvme ? kept : 0)) << "step " << step << " accounting of "
+                                                      << tier_name(static_cast<Tier>(t));
+      ASSERT_EQ(s.kept, nvme ? kept : 0);
       ASSERT_EQ(s.chunks, count[t]);
     }
   };
@@ -158,6 +163,7 @@ TEST_P(PropertyTest, RandomSequencesKeepBudgetsAndContents) {
   EXPECT_GT(m.count[int(Tier::kNvme)][int(Tier::kHost)] + m.count[int(Tier::kNvme)][int(Tier::kDevice)], 10u);
   EXPECT_GT(m.count[int(Tier::kNvme)][int(Tier::kDevice)], 0u) << "the streamed path must be exercised";
   EXPECT_GT(m.count[int(Tier::kDevice)][int(Tier::kNvme)], 0u);
+  EXPECT_GT(m.nvme_kept_by_role[static_cast<size_t>(ChunkRole::kParam)], 0u) << "clean copies must be exercised";
   EXPECT_GT(mgr.tier_stats(Tier::kDevice).evictions, 20u);
   EXPECT_LT(failures, kSteps / 2) << "most operations should succeed";
 }

@@ -269,14 +269,16 @@ TEST(ChunkManager, CascadesDeviceToHostToNvmeAndBack) {
   EXPECT_EQ(mgr.chunk(ids[1]).location(), Tier::kNvme);
   EXPECT_EQ(mgr.chunk(ids[2]).location(), Tier::kHost);
   EXPECT_EQ(mgr.chunk(ids[3]).location(), Tier::kHost);
-  EXPECT_FALSE(nvme.holds(ids[0]));
+  EXPECT_TRUE(nvme.holds(ids[0])) << "a parameter chunk keeps its copy (Note [Clean copies on NVMe])";
   const MoveStats m = mgr.move_stats();
   EXPECT_EQ(m.count[int(Tier::kNvme)][int(Tier::kDevice)], 1u);
   EXPECT_EQ(m.count[int(Tier::kNvme)][int(Tier::kHost)], 0u);
   EXPECT_EQ(m.count[int(Tier::kHost)][int(Tier::kNvme)], 2u);
   EXPECT_EQ(m.count[int(Tier::kDevice)][int(Tier::kHost)], 4u);
   EXPECT_EQ(m.bytes[int(Tier::kNvme)][int(Tier::kDevice)], kPage);
-  EXPECT_EQ(mgr.tier_stats(Tier::kNvme).used, kPage);
+  EXPECT_EQ(mgr.tier_stats(Tier::kNvme).used, 2 * kPage) << "1, and the copy 0 keeps";
+  EXPECT_EQ(mgr.tier_stats(Tier::kNvme).kept, kPage);
+  EXPECT_EQ(mgr.tier_stats(Tier::kNvme).chunks, 1);
   for (int i = 0; i < 4; ++i) EXPECT_EQ(contents(mgr, ids[i]), pattern(ids[i])) << i;
   for (Tier t : {Tier::kDevice, Tier::kHost, Tier::kNvme}) {
     EXPECT_LE(mgr.tier_stats(t).peak, mgr.tier_stats(t).budget) << tier_name(t);
@@ -542,6 +544,108 @@ TEST(ChunkManager, OverwriteTakesNoReadAndKeepsTheOldPayloadWhenItFails) {
     EXPECT_LE(mgr.tier_stats(t).peak, mgr.tier_stats(t).budget) << tier_name(t);
   }
   EXPECT_THROW(mgr.overwrite(ids[2], Tier::kNvme), Error);
+}
+
+// Note [Clean copies on NVMe]: a parameter chunk read from NVMe keeps its
+// copy there, and going back unchanged writes nothing; changed on host or
+// on the device, through its payload as an operator changes it, it is
+// written again and reads back changed.
+TEST(ChunkManager, AParameterChunkEvictedUnchangedIsNotWrittenAgain) {
+  TestNvme nvme(8 * kPage);
+  ChunkManager mgr(options(kPage, kPage, 8 * kPage, nvme.store));
+  const auto ids = add_chunks(mgr, 2);
+  const auto param = static_cast<size_t>(ChunkRole::kParam);
+  const auto written = [&] { return mgr.move_stats().nvme_written_by_role[param]; };
+  const auto kept = [&] { return mgr.move_stats().nvme_kept_by_role[param]; };
+  fill(mgr, ids[0], Tier::kHost);
+  mgr.move(ids[0], Tier::kNvme);
+  ASSERT_EQ(written(), kPage);
+  mgr.access(ids[0], Tier::kHost);
+  EXPECT_TRUE(nvme.holds(ids[0]));
+  EXPECT_EQ(mgr.tier_stats(Tier::kNvme).used, kPage);
+  EXPECT_EQ(mgr.tier_stats(Tier::kNvme).kept, kPage);
+  EXPECT_EQ(mgr.tier_stats(Tier::kNvme).chunks, 0);
+  fill(mgr, ids[1], Tier::kHost);  // evicts 0, unchanged
+  EXPECT_EQ(mgr.chunk(ids[0]).location(), Tier::kNvme);
+  EXPECT_EQ(written(), kPage) << "nothing written for an unchanged chunk";
+  EXPECT_EQ(kept(), kPage);
+  EXPECT_EQ(mgr.tier_stats(Tier::kNvme).kept, 0u);
+  EXPECT_EQ(mgr.tier_stats(Tier::kNvme).used, kPage);
+  EXPECT_EQ(contents(mgr, ids[0]), pattern(ids[0]));
+
+  // Changed on host by a write through its payload: written again.
+  mgr.access(ids[0], Tier::kHost);  // evicts 1, written for the first time
+  ASSERT_EQ(written(), 2 * kPage);
+  std::vector<float> want = pattern(ids[0]);
+  want[kElems - 1] += 1.0f;  // the last element: the store's checksum covers the whole payload
+  static_cast<float*>(mgr.data(ids[0]))[kElems - 1] += 1.0f;
+  mgr.access(ids[1], Tier::kHost);  // evicts 0, changed
+  EXPECT_EQ(written(), 3 * kPage);
+  EXPECT_EQ(kept(), kPage);
+  EXPECT_EQ(contents(mgr, ids[0]), want);
+  mgr.access(ids[0], Tier::kHost);
+  EXPECT_EQ(contents(mgr, ids[0]), want);
+
+  // Up to the device and down again through host: unchanged keeps its copy, changed is written.
+  mgr.move(ids[0], Tier::kNvme);  // kept, not written
+  EXPECT_EQ(written(), 3 * kPage);
+  mgr.access(ids[0], Tier::kDevice);  // streamed from NVMe; the copy stays
+  mgr.move(ids[0], Tier::kHost);
+  mgr.move(ids[0], Tier::kNvme);
+  EXPECT_EQ(written(), 3 * kPage);
+  EXPECT_EQ(kept(), 4 * kPage) << "0 clean twice, 1 once, and 0 on its way back from the device";
+  mgr.access(ids[0], Tier::kDevice);
+  const std::vector<float> on_device = pattern(ids[0], 5);
+  mgr.write(ids[0], on_device.data(), on_device.size() * sizeof(float));
+  mgr.move(ids[0], Tier::kHost);
+  mgr.move(ids[0], Tier::kNvme);
+  EXPECT_EQ(written(), 4 * kPage);
+  EXPECT_EQ(contents(mgr, ids[0]), on_device);
+  // Straight from the device to NVMe the payload is not compared: the kept copy goes, the chunk is written.
+  mgr.access(ids[0], Tier::kDevice);
+  mgr.move(ids[0], Tier::kNvme);
+  EXPECT_EQ(written(), 5 * kPage);
+  EXPECT_EQ(contents(mgr, ids[0]), on_device);
+  EXPECT_EQ(mgr.tier_stats(Tier::kNvme).used, 2 * kPage);
+  EXPECT_EQ(mgr.tier_stats(Tier::kNvme).kept, 0u);
+
+  // release() drops a kept copy with the chunk.
+  mgr.access(ids[0], Tier::kHost);
+  ASSERT_TRUE(nvme.holds(ids[0]));
+  mgr.release(ids[0]);
+  EXPECT_FALSE(nvme.holds(ids[0]));
+  EXPECT_EQ(mgr.tier_stats(Tier::kNvme).used, kPage) << "1 alone";
+  EXPECT_EQ(mgr.tier_stats(Tier::kNvme).kept, 0u);
+  for (Tier t : {Tier::kDevice, Tier::kHost, Tier::kNvme}) {
+    EXPECT_LE(mgr.tier_stats(t).peak, mgr.tier_stats(t).budget) << tier_name(t);
+  }
+}
+
+// Kept copies are a cache inside the NVMe budget: a chunk that needs the
+// room takes it from them, and a chunk whose copy was dropped is written
+// when it goes back.
+TEST(ChunkManager, KeptNvmeCopiesGiveWayToChunksThatNeedTheRoom) {
+  TestNvme nvme(2 * kPage);
+  ChunkManager mgr(options(kPage, 2 * kPage, 2 * kPage, nvme.store));
+  const auto ids = add_chunks(mgr, 3);
+  const auto param = static_cast<size_t>(ChunkRole::kParam);
+  fill(mgr, ids[0], Tier::kHost);
+  fill(mgr, ids[1], Tier::kHost);
+  fill(mgr, ids[2], Tier::kHost);  // 0 -> nvme
+  mgr.access(ids[0], Tier::kHost);  // 1 -> nvme, then 0 comes up keeping its copy: nvme full
+  ASSERT_EQ(mgr.tier_stats(Tier::kNvme).used, 2 * kPage);
+  ASSERT_EQ(mgr.tier_stats(Tier::kNvme).kept, kPage);
+  mgr.access(ids[1], Tier::kHost);  // 2 -> nvme needs the room 0's copy holds
+  EXPECT_FALSE(nvme.holds(ids[0]));
+  EXPECT_EQ(mgr.chunk(ids[2]).location(), Tier::kNvme);
+  EXPECT_EQ(mgr.tier_stats(Tier::kNvme).used, 2 * kPage) << "2, and the copy 1 keeps";
+  EXPECT_EQ(mgr.tier_stats(Tier::kNvme).kept, kPage);
+  mgr.access(ids[2], Tier::kHost);  // 0 -> nvme: its copy is gone, so it is written; 1's copy gives way
+  EXPECT_EQ(mgr.chunk(ids[0]).location(), Tier::kNvme);
+  EXPECT_EQ(mgr.move_stats().nvme_written_by_role[param], 4 * kPage) << "0, 1, 2, and 0 again";
+  EXPECT_EQ(mgr.move_stats().nvme_kept_by_role[param], 0u);
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(contents(mgr, ids[i]), pattern(ids[i])) << i;
+  EXPECT_LE(mgr.tier_stats(Tier::kNvme).peak, 2 * kPage);
 }
 
 TEST(ChunkManager, ReadAndWriteCheckSizes) {

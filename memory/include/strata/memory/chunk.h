@@ -9,8 +9,10 @@
 // reuse_fp16_chunk) and the fp32 optimizer-state chunks. The ChunkManager owns
 // every chunk and its payload; everything else holds ids.
 //
-// Invariants: a chunk's payload lives on at most one tier at a time; a chunk
-// with any tensor in COMPUTE is never moved, evicted or released.
+// Invariants: a chunk's payload lives on at most one tier at a time (an
+// nvme copy kept beside it is not its payload: Note [Clean copies on NVMe]
+// in chunk_manager.h); a chunk with any tensor in COMPUTE is never moved,
+// evicted or released.
 
 #include <cstdint>
 #include <memory>
@@ -101,6 +103,9 @@ class Chunk {
   bool gathered() const noexcept { return gathered_; }
   /// False while any tensor is in COMPUTE.
   bool movable() const noexcept { return compute_count_ == 0; }
+  /// Resident on device or host, with the nvme copy it was read from kept
+  /// in the store (Note [Clean copies on NVMe] in chunk_manager.h).
+  bool nvme_copy_kept() const noexcept { return nvme_kept_; }
 
   /// "chunk 3 (param bf16 of family 1, 4.00 MiB, on host)".
   std::string describe() const;
@@ -128,6 +133,9 @@ class Chunk {
   offload::DeviceEvent last_use_;
   bool shard_ = false;
   bool gathered_ = false;
+  // Resident on device or host, with the copy it was read from still on
+  // nvme, unchanged or not (Note [Clean copies on NVMe] in chunk_manager.h).
+  bool nvme_kept_ = false;
 };
 
 struct ChunkFamily {

@@ -45,6 +45,26 @@
 // oldest before it evicts anything. A copy that fails surfaces where the
 // compute stream waits (a strata::Error on the emulated device; CUDA's
 // sticky error on a GPU).
+//
+// Note [Clean copies on NVMe]
+// A parameter chunk is read from nvme more often than it changes: in one
+// step the forward, the recomputation of a checkpointed block and the
+// backward may each find it evicted, and only the optimizer changes it. So
+// when a parameter chunk comes up from nvme, its stored copy stays in the
+// store (counted in the nvme tier's `used` and in TierStats::kept, not in
+// its chunks), and when the chunk is evicted from host back to nvme with the
+// same bytes, nothing is written: the kept copy becomes its payload again
+// (MoveStats::nvme_kept_by_role). "The same" is the store's word
+// (SwapStore::holds_same: NvmeStore compares the xxh3-64 it recorded for the
+// copy with one of the payload, without reading the disk), so no writer of a
+// chunk (operators, the optimizer, loads, ZeRO gathers, a user between
+// steps) has to mark it changed; a changed chunk, or one leaving the device
+// straight for nvme, drops its kept copy and is written as before. Kept
+// copies are a cache inside the nvme budget: a request short of nvme room
+// drops them (the longest kept first) before it waits or fails, and
+// release() and overwrite() drop a chunk's. Only parameter chunks keep one:
+// the optimizer's state, masters and gradients change between their reads
+// and their next eviction, and hashing them would only cost time.
 
 #include <array>
 #include <condition_variable>
@@ -87,6 +107,8 @@ struct TierStats {
   uint64_t peak = 0;  // highest `used` since construction
   int64_t chunks = 0;
   uint64_t evictions = 0;  // chunks evicted from this tier to make room
+  // nvme: of `used`, the copies kept for chunks resident above (Note [Clean copies on NVMe]).
+  uint64_t kept = 0;
 };
 
 struct MoveStats {
@@ -109,6 +131,9 @@ struct MoveStats {
   std::array<uint64_t, 4> nvme_written_by_role{};
   // Of nvme_read_by_role, the bytes read on demand (as demand_bytes).
   std::array<uint64_t, 4> nvme_demand_read_by_role{};
+  // Evictions to nvme that wrote nothing: the chunk's kept copy held the
+  // same bytes (Note [Clean copies on NVMe]). Not in bytes/count.
+  std::array<uint64_t, 4> nvme_kept_by_role{};
   uint64_t stalls = 0;         // calls that waited for a chunk's move in flight
   double stall_seconds = 0.0;  // time spent in those waits
   uint64_t stall_bytes = 0;    // bytes of the chunks those calls waited for
@@ -231,6 +256,15 @@ class ChunkManager {
   /// `host_after`: on host, the payload is given back only once it completes
   /// (the copy reading it, Note [Arrivals on the device]).
   void free_payload(Chunk& c, const offload::DeviceEvent& host_after = {}) noexcept;
+  // Note [Clean copies on NVMe]: whether a chunk read from nvme keeps its copy there.
+  bool keeps_nvme_copy(const Chunk& c) const noexcept;
+  // A chunk on host whose kept copy holds its bytes goes back to nvme without
+  // a write (the lock released while the store compares); false, changing
+  // nothing, when the bytes differ.
+  bool return_to_kept_copy(Chunk& c, Lock& lock);
+  void drop_kept_copy(Chunk& c) noexcept;
+  // Drops the longest kept copy of a chunk not being moved; false when none is left.
+  bool drop_a_kept_copy();
   /// Gives back the host payloads whose copies completed; with `wait`, first
   /// waits (the lock released) for the oldest one. False when there were none.
   bool settle_host_frees(Lock& lock, bool wait);
@@ -251,6 +285,7 @@ class ChunkManager {
   std::array<TierStats, kNumTiers> stats_{};
   std::array<uint64_t, kNumTiers> outgoing_bytes_{};  // bytes of the moves in flight leaving each tier
   std::array<int, kNumTiers> incoming_{};  // moves in flight arriving on each tier
+  std::vector<ChunkId> kept_;  // chunks with a kept nvme copy, the longest kept first (Note [Clean copies on NVMe])
   mutable MoveStats moves_;
   PlacementListener placement_listener_;
   struct HostFree {

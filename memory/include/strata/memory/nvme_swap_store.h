@@ -26,6 +26,10 @@ class NvmeSwapStore final : public SwapStore {
     store_.write_streamed(key, bytes, source);
   }
   std::shared_ptr<const void> view(int64_t key) const override { return store_.view(key); }
+  bool holds_same(int64_t key, const void* src, size_t bytes) const override {
+    return store_.holds_same(key, src, bytes);
+  }
+  bool compares_copies() const noexcept override { return true; }
   std::string describe() const override { return store_.describe(); }
 
   offload::NvmeStore& store() { return store_; }

@@ -17,7 +17,9 @@
 //    next ones are in flight (device <-> nvme without a host-tier copy), with
 //    the same integrity and failure guarantees;
 //  - view() maps the bytes stored under `key` read-only into memory, for
-//    readers outside the manager (Note [Parameters on NVMe stay readable]).
+//    readers outside the manager (Note [Parameters on NVMe stay readable]);
+//  - a stored copy stays readable after read() until it is written again or
+//    discarded, and holds_same() tells whether it still equals a payload.
 // The calls block the calling thread; the ChunkManager runs them without its
 // lock held and on the copy engine for prefetches.
 
@@ -49,6 +51,17 @@ class SwapStore {
     (void)key;
     return nullptr;
   }
+  /// True when the bytes stored under `key` are known to equal `src[0,
+  /// bytes)` without reading them (the store's checksum of the stored copy
+  /// against one of `src`), so a chunk evicted unchanged need not be written
+  /// again (Note [Clean copies on NVMe] in chunk_manager.h). False when
+  /// unknown: a store that cannot tell never has a copy kept.
+  virtual bool holds_same(int64_t key, const void* src, size_t bytes) const {
+    (void)key, (void)src, (void)bytes;
+    return false;
+  }
+  /// Whether holds_same() can ever answer true.
+  virtual bool compares_copies() const noexcept { return false; }
   /// For messages: "nvme store at /scratch/strata (3 files)".
   virtual std::string describe() const = 0;
 };

@@ -141,6 +141,11 @@ class NvmeStore {
   /// Frees the key's extent. Must not race with a transfer of the same key.
   void discard(int64_t key) noexcept;
   bool contains(int64_t key) const;
+  /// True when `key` holds `bytes` bytes whose recorded xxh3-64 equals that
+  /// of `src[0, bytes)`: the stored copy is the same bytes, but for a 2^-64
+  /// chance per call (the odds Note [NVMe store integrity] already takes for
+  /// a corrupt read). Never reads the disk. Must not race with a write of `key`.
+  bool holds_same(int64_t key, const void* src, size_t bytes) const;
 
   /// Registers host memory for READ_FIXED / WRITE_FIXED (once, before I/O).
   void register_buffers(const std::vector<std::pair<void*, size_t>>& regions);
