@@ -8,6 +8,7 @@
 #include <torch/torch.h>
 
 #include <filesystem>
+#include <set>
 
 #include "parallel/deep_blocks.h"
 #include "parallel/test_util.h"
@@ -99,6 +100,56 @@ void engine_run(DType precision, double tol) {
   for (const memory::TraceOp& op : t.ops) recomputed_with_params += op.phase == "recompute" && !op.chunks.empty();
   EXPECT_GE(recomputed_with_params, 8) << "each block's two Linear layers run again in backward, seen by the hook";
   for (const std::string& path : traces) std::filesystem::remove(path);
+}
+
+// A checkpointed block's parameter chunks, brought to the device for its
+// recomputation, are still there for the block's backward: with the device
+// holding about two blocks' parameters and gradients, every touch of a chunk
+// after its recomputation in a step's backward finds it on the device, in
+// the first traced step (LRU) and in the second (the traced plan).
+TEST(ActivationCheckpoint, ParametersStayOnTheDeviceFromRecomputationThroughBackward) {
+  const std::string trace = temp_path("recompute-residency", ".json");
+  Deep m(6, 6, 128);
+  m.mode = BlockMode::kCheckpoint;
+  EngineOptions o;
+  o.budgets = {640 << 10, 16 << 20, 0};
+  o.chunk_elems = 16384;
+  o.trace_path = trace;
+  {
+    auto engine = attach(m, AdamWConfig{}, o);
+    torch::manual_seed(9);
+    for (int s = 0; s < 2; ++s) {
+      const torch::Tensor x = torch::randn({256, 128}), y = torch::randn({256, 4});
+      engine->train_step([&] { return (m.forward(x) - y).pow(2).mean(); });
+    }
+  }
+  const memory::Trace t = memory::read_trace(trace);
+  ASSERT_EQ(t.steps.size(), 2u);
+  for (const memory::TraceStep& step : t.steps) {
+    std::set<int64_t> recomputed;  // chunks a recomputation used so far in this step
+    int after_recompute = 0, off_device = 0, recompute_off_device = 0;
+    for (int64_t i = step.first_op; i < step.end_op; ++i) {
+      const memory::TraceOp& op = t.ops[static_cast<size_t>(i)];
+      if (op.phase != "recompute" && op.phase != "backward") continue;
+      for (const memory::TraceTouch& touch : op.chunks) {
+        if (t.chunks[static_cast<size_t>(touch.chunk)].role != "param") continue;
+        if (op.phase == "recompute" && !recomputed.count(touch.chunk)) {
+          recomputed.insert(touch.chunk);
+          recompute_off_device += touch.tier != "device";
+          continue;
+        }
+        if (!recomputed.count(touch.chunk)) continue;
+        ++after_recompute;
+        off_device += touch.tier != "device";
+      }
+    }
+    EXPECT_GE(recomputed.size(), 12u) << "step " << step.index << ": each block's two weights run again";
+    EXPECT_GT(recompute_off_device, 0) << "step " << step.index << ": the device must be too small for the model";
+    EXPECT_GT(after_recompute, 0) << "step " << step.index;
+    EXPECT_EQ(off_device, 0) << "step " << step.index << ": of " << after_recompute
+                             << " touches after the recomputation, these found their chunk off the device";
+  }
+  std::filesystem::remove(trace);
 }
 
 TEST(ActivationCheckpoint, EngineTrainsTheSameWithItInFp32) { engine_run(DType::kFloat32, 1e-6); }
