@@ -647,6 +647,13 @@ void ChunkManager::demote(ChunkId id, Demotion order) {
   if (c.location_ && *c.location_ != Tier::kNvme) policy_->on_demote(id, *c.location_, order);
 }
 
+void ChunkManager::forget_nvme_copy(ChunkId id) {
+  Lock lock(mu_);
+  Chunk& c = chunk_locked(id);
+  wait_idle(c, lock);  // a move in flight may be comparing against the copy
+  drop_kept_copy(c);
+}
+
 void ChunkManager::release(ChunkId id) {
   Lock lock(mu_);
   Chunk& c = chunk_locked(id);

@@ -447,6 +447,7 @@ void StepPipeline::update_family(size_t index, Tier tier, float grad_scale, cons
   const auto waited_from = Clock::now();
   // Note [Parameters the update overwrites]
   if (update_overwrites_param(f)) ctx_.mgr->overwrite(ctx_.step_param(f), tier);
+  bool updated_any = false;
   ctx_.with_on(tier, ctx_.step_members(f), [&] {
     waited += seconds_since(waited_from);  // the pins above waited for the chunks
     pinned_hook();
@@ -456,6 +457,7 @@ void StepPipeline::update_family(size_t index, Tier tier, float grad_scale, cons
       ManagedParam& p = ctx_.params[i];
       if (!p.has_grad) continue;  // unused this step: no update, as torch.optim
       const auto [begin, end] = ctx_.owned(p);  // Note [ZeRO over chunks]: this rank's part
+      updated_any = updated_any || begin < end;
       kernels::OptimSpans s;
       s.n = end - begin;
       if (begin < end) {
@@ -472,6 +474,9 @@ void StepPipeline::update_family(size_t index, Tier tier, float grad_scale, cons
       update_param(p, s, grad_scale, lrs[p.group], on_cuda);  // counts the step even when this rank owns none of it
     }
   });
+  // Note [Clean copies on NVMe] in chunk_manager.h: the update changed the
+  // parameters, so a copy kept on NVMe is stale; dropped now, not compared later.
+  if (updated_any) ctx_.mgr->forget_nvme_copy(ctx_.step_param(f));
   // Note [Gradients die with their update]
   ctx_.mgr->release(fam.grad);
   if (fam.grad_shard) ctx_.mgr->release(*fam.grad_shard);

@@ -616,6 +616,16 @@ TEST(ChunkManager, AParameterChunkEvictedUnchangedIsNotWrittenAgain) {
   EXPECT_FALSE(nvme.holds(ids[0]));
   EXPECT_EQ(mgr.tier_stats(Tier::kNvme).used, kPage) << "1 alone";
   EXPECT_EQ(mgr.tier_stats(Tier::kNvme).kept, 0u);
+  // forget_nvme_copy(): its caller changed the chunk, so the copy goes now.
+  mgr.access(ids[1], Tier::kHost);
+  ASSERT_TRUE(mgr.chunk(ids[1]).nvme_copy_kept());
+  mgr.forget_nvme_copy(ids[1]);
+  EXPECT_FALSE(mgr.chunk(ids[1]).nvme_copy_kept());
+  EXPECT_FALSE(nvme.holds(ids[1]));
+  EXPECT_EQ(mgr.tier_stats(Tier::kNvme).used, 0u);
+  mgr.move(ids[1], Tier::kNvme);
+  EXPECT_EQ(written(), 6 * kPage) << "written again: no copy to compare with";
+  EXPECT_EQ(contents(mgr, ids[1]), pattern(ids[1]));
   for (Tier t : {Tier::kDevice, Tier::kHost, Tier::kNvme}) {
     EXPECT_LE(mgr.tier_stats(t).peak, mgr.tier_stats(t).budget) << tier_name(t);
   }

@@ -62,7 +62,8 @@
 // straight for nvme, drops its kept copy and is written as before. Kept
 // copies are a cache inside the nvme budget: a request short of nvme room
 // drops them (the longest kept first) before it waits or fails, and
-// release() and overwrite() drop a chunk's. Only parameter chunks keep one:
+// release() and overwrite() drop a chunk's, as forget_nvme_copy() does for
+// a chunk its caller changed (the optimizer, after an update). Only parameter chunks keep one:
 // the optimizer's state, masters and gradients change between their reads
 // and their next eviction, and hashing them would only cost time.
 
@@ -186,6 +187,11 @@ class ChunkManager {
   /// after this call: where it is resident, it becomes the first to leave
   /// its tier, among the demoted ones as `order` says (EvictionPolicy::on_demote).
   void demote(ChunkId id, Demotion order = Demotion::kLastFirst);
+  /// Tells the manager the caller changed the chunk's payload: a copy kept
+  /// on nvme for it (Note [Clean copies on NVMe]) is dropped now, which frees
+  /// its room and spares the comparison at the chunk's next eviction. Only a
+  /// hint: without it that comparison finds the change.
+  void forget_nvme_copy(ChunkId id);
   /// Moves one tensor of the chunk through the state machine (tensor_state.h).
   /// Entering COMPUTE needs the payload on device or host, and pins it there.
   void transition(ChunkId id, size_t slot, TensorState to);
