@@ -414,16 +414,8 @@ void ChunkManager::transfer(Chunk& c, Tier to, Lock& lock) {
     idle_.notify_all();
     std::rethrow_exception(failure);
   }
-  if (from == Tier::kNvme && keeps_nvme_copy(c)) {
-    // Note [Clean copies on NVMe]: the stored copy stays, counted as kept.
-    account(Tier::kNvme, 0, -1);
-    stats_[static_cast<int>(Tier::kNvme)].kept += bytes;
-    kept_.push_back(c.id_);
-    c.nvme_kept_ = true;
-    policy_->on_leave(c.id_, Tier::kNvme);
-  } else {
-    free_payload(c, arrival);  // a host source goes back once the copy read it
-  }
+  // A host source goes back once the copy read it; an nvme one may stay as the kept copy.
+  free_payload(c, arrival, /*keep_nvme_copy=*/from == Tier::kNvme && keeps_nvme_copy(c));
   c.ptr_ = dst;
   c.location_ = to;
   if (to == Tier::kNvme) c.nvme_view_ = std::move(view);
@@ -461,7 +453,6 @@ bool ChunkManager::return_to_kept_copy(Chunk& c, Lock& lock) {
   lock.lock();
   if (!same) return false;
   free_payload(c);
-  kept_.erase(std::find(kept_.begin(), kept_.end(), c.id_));
   stats_[static_cast<int>(Tier::kNvme)].kept -= bytes;
   c.nvme_kept_ = false;
   c.location_ = Tier::kNvme;
@@ -479,16 +470,14 @@ void ChunkManager::drop_kept_copy(Chunk& c) noexcept {
   const size_t bytes = c.alloc_bytes();
   stats_[static_cast<int>(Tier::kNvme)].kept -= bytes;
   account(Tier::kNvme, -static_cast<int64_t>(bytes), 0);
-  kept_.erase(std::find(kept_.begin(), kept_.end(), c.id_));
   c.nvme_kept_ = false;
   idle_.notify_all();  // room on nvme
 }
 
 bool ChunkManager::drop_a_kept_copy() {
-  for (ChunkId id : kept_) {
-    Chunk& c = *chunks_[id];
-    if (c.busy_) continue;  // its move may be comparing against the copy
-    drop_kept_copy(c);
+  for (auto& c : chunks_) {
+    if (!c->nvme_kept_ || c->busy_) continue;  // a busy one's move may be comparing against its copy
+    drop_kept_copy(*c);
     return true;
   }
   return false;
@@ -576,7 +565,7 @@ void* ChunkManager::allocate_zeroed(Tier tier, size_t bytes) {
   return ptr;
 }
 
-void ChunkManager::free_payload(Chunk& c, const offload::DeviceEvent& host_after) noexcept {
+void ChunkManager::free_payload(Chunk& c, const offload::DeviceEvent& host_after, bool keep_nvme_copy) noexcept {
   if (!c.location_) return;
   const Tier tier = *c.location_;
   const size_t bytes = c.alloc_bytes();
@@ -591,7 +580,15 @@ void ChunkManager::free_payload(Chunk& c, const offload::DeviceEvent& host_after
         freed = 0;
       }
       break;
-    case Tier::kNvme: nvme_->discard(c.id_); break;
+    case Tier::kNvme:
+      if (keep_nvme_copy) {  // Note [Clean copies on NVMe]: still counted, as kept
+        stats_[static_cast<int>(Tier::kNvme)].kept += bytes;
+        c.nvme_kept_ = true;
+        freed = 0;
+      } else {
+        nvme_->discard(c.id_);
+      }
+      break;
   }
   account(tier, -freed, -1);
   c.ptr_ = nullptr;

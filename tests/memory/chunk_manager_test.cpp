@@ -68,6 +68,13 @@ std::vector<float> contents(const ChunkManager& mgr, ChunkId id) {
   return v;
 }
 
+// Every tier's peak within its budget, by the manager's own accounting.
+void expect_peaks_within_budgets(const ChunkManager& mgr) {
+  for (Tier t : {Tier::kDevice, Tier::kHost, Tier::kNvme}) {
+    EXPECT_LE(mgr.tier_stats(t).peak, mgr.tier_stats(t).budget) << tier_name(t);
+  }
+}
+
 TEST(ChunkManager, RegistersFamiliesWithSharedLayout) {
   ChunkManager mgr(options(1 << 20, 1 << 20));
   FamilySpec spec;
@@ -280,9 +287,7 @@ TEST(ChunkManager, CascadesDeviceToHostToNvmeAndBack) {
   EXPECT_EQ(mgr.tier_stats(Tier::kNvme).kept, kPage);
   EXPECT_EQ(mgr.tier_stats(Tier::kNvme).chunks, 1);
   for (int i = 0; i < 4; ++i) EXPECT_EQ(contents(mgr, ids[i]), pattern(ids[i])) << i;
-  for (Tier t : {Tier::kDevice, Tier::kHost, Tier::kNvme}) {
-    EXPECT_LE(mgr.tier_stats(t).peak, mgr.tier_stats(t).budget) << tier_name(t);
-  }
+  expect_peaks_within_budgets(mgr);
 }
 
 // prefetch_up only raises: a chunk on NVMe comes to host (read in the
@@ -540,9 +545,7 @@ TEST(ChunkManager, OverwriteTakesNoReadAndKeepsTheOldPayloadWhenItFails) {
   EXPECT_EQ(contents(mgr, ids[0]), std::vector<float>(kElems, 0.0f));
   EXPECT_EQ(mgr.move_stats().count[int(Tier::kDevice)][int(Tier::kHost)],
             before.count[int(Tier::kDevice)][int(Tier::kHost)]);
-  for (Tier t : {Tier::kDevice, Tier::kHost, Tier::kNvme}) {
-    EXPECT_LE(mgr.tier_stats(t).peak, mgr.tier_stats(t).budget) << tier_name(t);
-  }
+  expect_peaks_within_budgets(mgr);
   EXPECT_THROW(mgr.overwrite(ids[2], Tier::kNvme), Error);
 }
 
@@ -626,9 +629,7 @@ TEST(ChunkManager, AParameterChunkEvictedUnchangedIsNotWrittenAgain) {
   mgr.move(ids[1], Tier::kNvme);
   EXPECT_EQ(written(), 6 * kPage) << "written again: no copy to compare with";
   EXPECT_EQ(contents(mgr, ids[1]), pattern(ids[1]));
-  for (Tier t : {Tier::kDevice, Tier::kHost, Tier::kNvme}) {
-    EXPECT_LE(mgr.tier_stats(t).peak, mgr.tier_stats(t).budget) << tier_name(t);
-  }
+  expect_peaks_within_budgets(mgr);
 }
 
 // Kept copies are a cache inside the NVMe budget: a chunk that needs the

@@ -49,6 +49,17 @@ std::vector<torch::Tensor> fp32_params(torch::nn::Module& m) {
   return out;
 }
 
+// The end of a run: budgets checked, the trained parameters copied out in
+// fp32, the engine destroyed and its NVMe directory removed.
+std::vector<torch::Tensor> finish_run(std::unique_ptr<Engine>& engine, torch::nn::Module& model,
+                                      const std::filesystem::path& nvme_dir) {
+  expect_within_budgets(*engine);
+  std::vector<torch::Tensor> params = fp32_params(model);
+  engine.reset();
+  std::filesystem::remove_all(nvme_dir);
+  return params;
+}
+
 void expect_bit_equal(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b, const std::string& what) {
   ASSERT_EQ(a.size(), b.size()) << what;
   for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(torch::equal(a[i], b[i])) << what << " parameter " << i;
@@ -784,10 +795,7 @@ TEST(Engine, MixedPrecisionUpdateReadsNoParameterBackAndWritesNoDeadGradient) {
       r.grad_written += after.nvme_written_by_role[grad] - before.nvme_written_by_role[grad];
       r.losses.push_back(res.loss);
     }
-    expect_within_budgets(*engine);
-    r.params = fp32_params(*model);
-    engine.reset();
-    std::filesystem::remove_all(dir);
+    r.params = finish_run(engine, *model, dir);
     return r;
   };
   const Run spilled = train(true), resident = train(false);
@@ -859,10 +867,7 @@ TEST(Engine, UpdatesInBackwardEqualTheStepWithoutClipping) {
         r.norms.push_back(res.grad_norm);
         r.early.push_back(res.updated_in_backward);
       }
-      expect_within_budgets(*engine);
-      r.params = fp32_params(*model);
-      engine.reset();
-      std::filesystem::remove_all(dir);
+      r.params = finish_run(engine, *model, dir);
       return r;
     };
     const Run after = train(false), in = train(true);
@@ -1225,10 +1230,7 @@ TEST(Engine, ParameterChunksAreWrittenToNvmeAtMostOnceAStep) {
       }
       before = after;
     }
-    expect_within_budgets(*engine);
-    r.params = fp32_params(*model);
-    engine.reset();
-    std::filesystem::remove_all(dir);
+    r.params = finish_run(engine, *model, dir);
     return r;
   };
   const Run spilled = train(true), resident = train(false);

@@ -61,7 +61,7 @@
 // steps) has to mark it changed; a changed chunk, or one leaving the device
 // straight for nvme, drops its kept copy and is written as before. Kept
 // copies are a cache inside the nvme budget: a request short of nvme room
-// drops them (the longest kept first) before it waits or fails, and
+// drops them before it waits or fails, and
 // release() and overwrite() drop a chunk's, as forget_nvme_copy() does for
 // a chunk its caller changed (the optimizer, after an update). Only parameter chunks keep one:
 // the optimizer's state, masters and gradients change between their reads
@@ -261,7 +261,9 @@ class ChunkManager {
   void* allocate_zeroed(Tier tier, size_t bytes);
   /// `host_after`: on host, the payload is given back only once it completes
   /// (the copy reading it, Note [Arrivals on the device]).
-  void free_payload(Chunk& c, const offload::DeviceEvent& host_after = {}) noexcept;
+  /// `keep_nvme_copy`: an nvme payload stays in the store as the chunk's
+  /// kept copy (Note [Clean copies on NVMe]) instead of being discarded.
+  void free_payload(Chunk& c, const offload::DeviceEvent& host_after = {}, bool keep_nvme_copy = false) noexcept;
   // Note [Clean copies on NVMe]: whether a chunk read from nvme keeps its copy there.
   bool keeps_nvme_copy(const Chunk& c) const noexcept;
   // A chunk on host whose kept copy holds its bytes goes back to nvme without
@@ -269,7 +271,7 @@ class ChunkManager {
   // nothing, when the bytes differ.
   bool return_to_kept_copy(Chunk& c, Lock& lock);
   void drop_kept_copy(Chunk& c) noexcept;
-  // Drops the longest kept copy of a chunk not being moved; false when none is left.
+  // Drops the kept copy of a chunk not being moved; false when none is left.
   bool drop_a_kept_copy();
   /// Gives back the host payloads whose copies completed; with `wait`, first
   /// waits (the lock released) for the oldest one. False when there were none.
@@ -291,7 +293,6 @@ class ChunkManager {
   std::array<TierStats, kNumTiers> stats_{};
   std::array<uint64_t, kNumTiers> outgoing_bytes_{};  // bytes of the moves in flight leaving each tier
   std::array<int, kNumTiers> incoming_{};  // moves in flight arriving on each tier
-  std::vector<ChunkId> kept_;  // chunks with a kept nvme copy, the longest kept first (Note [Clean copies on NVMe])
   mutable MoveStats moves_;
   PlacementListener placement_listener_;
   struct HostFree {
