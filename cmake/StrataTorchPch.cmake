@@ -32,6 +32,27 @@
 # uses.
 option(STRATA_TORCH_PCH "Compile LibTorch translation units with one precompiled <torch/torch.h>" ON)
 
+# Note [Unity builds of the LibTorch targets]
+#
+# The PCH saves the parse of <torch/torch.h>, not what comes after it: g++
+# spends most of a LibTorch translation unit instantiating the same
+# templates (c10::IValue, at::Tensor's operators, torch::nn holders, gtest)
+# and generating their code, again in every file. tests/parallel's
+# engine_test, optimizer_test and checkpoint_test took 22 + 18 + 23 s alone
+# at -O2 -g1 and 31 s as one file. So every LibTorch target compiles as
+# unity batches of STRATA_UNITY_BATCH files (CMake's UNITY_BUILD), roughly
+# halving a cold build.
+#
+# What a batch costs: a file-local name (an anonymous namespace, a static
+# function) must be unique within its target, since it now shares a
+# translation unit with its batch; a clash is a compile error, but a
+# same-named function with another signature would silently join an
+# overload set, so tools/check_unity_names.py refuses those and CI runs it.
+# Editing one file recompiles its batch. STRATA_UNITY_BUILD=OFF builds file
+# by file (what compile errors then name is the file itself).
+option(STRATA_UNITY_BUILD "Compile the LibTorch targets in unity batches" ON)
+set(STRATA_UNITY_BATCH 6 CACHE STRING "Files per unity batch of a LibTorch target")
+
 # True when target `t` links LibTorch: directly, or through a strata library that does.
 function(strata_links_torch t out)
   set(result OFF)
@@ -81,5 +102,27 @@ function(strata_apply_torch_pch)
       target_compile_options(${t} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:-fPIC>)
     endif()
     target_precompile_headers(${t} REUSE_FROM strata_torch_pch)
+    if(STRATA_UNITY_BUILD)
+      # A file that skips the PCH sees no LibTorch: it would gain nothing in a
+      # batch. A target of one LibTorch file stays as it is (its object then
+      # shares ccache hits between clones; a batch names its files' absolute paths).
+      get_target_property(sources ${t} SOURCES)
+      get_target_property(source_dir ${t} SOURCE_DIR)
+      set(batched 0)
+      foreach(src IN LISTS sources)
+        get_source_file_property(skip ${src} DIRECTORY ${source_dir} SKIP_PRECOMPILE_HEADERS)
+        if(skip)
+          set_source_files_properties(${src} DIRECTORY ${source_dir} PROPERTIES SKIP_UNITY_BUILD_INCLUSION ON)
+        elseif(src MATCHES "\\.(cpp|cc|cxx)$")
+          math(EXPR batched "${batched} + 1")
+        endif()
+      endforeach()
+      if(batched GREATER 1)
+        set_target_properties(${t} PROPERTIES UNITY_BUILD ON UNITY_BUILD_BATCH_SIZE ${STRATA_UNITY_BATCH})
+        # g++ takes a .cpp included by the batch for a header, and warns of its
+        # classes that hold anonymous-namespace types, as it would in a header.
+        target_compile_options(${t} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:-Wno-subobject-linkage>)
+      endif()
+    endif()
   endforeach()
 endfunction()

@@ -54,7 +54,7 @@ struct Measured {
 };
 
 // Saves and loads examples/gpt's model `repeats` times under `eo`.
-Measured measure(const examples::GptConfig& mc, const parallel::EngineOptions& eo, const std::string& ckpt,
+Measured measure_checkpoint(const examples::GptConfig& mc, const parallel::EngineOptions& eo, const std::string& ckpt,
                  int repeats) {
   torch::manual_seed(0);
   torch::nn::Sequential model = examples::gpt_layers(mc);
@@ -103,10 +103,10 @@ void run_checkpoint_bench(const CheckpointBenchOptions& o) {
   parallel::EngineOptions roomy = spill;
   roomy.budgets = {round_up(state / 4, 4096), round_up(state * 2, 4096), 0};
   std::vector<Measured> rows;
-  rows.push_back(measure(mc, spill, ckpt, o.repeats));
+  rows.push_back(measure_checkpoint(mc, spill, ckpt, o.repeats));
   rows.back().placement = fmt::format("default: host {}, {} of {} families' state on NVMe",
                                       format_bytes(spill.budgets.host), rows.back().nvme_families, rows.back().families);
-  rows.push_back(measure(mc, roomy, ckpt, o.repeats));
+  rows.push_back(measure_checkpoint(mc, roomy, ckpt, o.repeats));
   rows.back().placement = fmt::format("all state fits on host ({})", format_bytes(roomy.budgets.host));
   const uint64_t bytes = rows.front().bytes;
   // Offline, from the last checkpoint saved: the export in Hugging Face's

@@ -51,7 +51,7 @@ struct Measured {
 };
 
 // One causal attention layer, forward and backward, on this rank's S/N positions.
-Measured measure(Mode mode, CountingCommunicator& group, int64_t context, const SequenceBenchOptions& o) {
+Measured measure_attention(Mode mode, CountingCommunicator& group, int64_t context, const SequenceBenchOptions& o) {
   const int64_t n = group.world_size(), s = context / n;
   torch::manual_seed(group.rank());
   auto& counter = parallel::cpu_non_model_counter();
@@ -104,13 +104,13 @@ void run_sequence_bench(const SequenceBenchOptions& o) {
       int64_t longest = 0;
       if (rank < n) {
         CountingCommunicator group(*groups[i]);
-        at = measure(mode, group, o.context, o);
+        at = measure_attention(mode, group, o.context, o);
         // The longest context under the budget: doubling, then bisecting to 1/16 of the last step.
         const int64_t unit = 64;
         // Whether context `c` stays within the budget on every rank of the group.
         const auto within = [&](int64_t c) {
           const std::vector<double> all =
-              parallel::all_gather_values(group, {static_cast<double>(measure(mode, group, c, o).peak)});
+              parallel::all_gather_values(group, {static_cast<double>(measure_attention(mode, group, c, o).peak)});
           return *std::max_element(all.begin(), all.end()) <= static_cast<double>(budget);
         };
         int64_t fits = 0, fails = 0;

@@ -57,7 +57,7 @@ struct Row {
 
 // One pair of layers over `group` (or one process when null): forward and
 // backward `iters` times after a warm-up, per layer.
-Row measure(const Config& c, CountingCommunicator* group, const TpBenchOptions& o) {
+Row measure_layout(const Config& c, CountingCommunicator* group, const TpBenchOptions& o) {
   const int64_t h = o.hidden;
   torch::manual_seed(0);  // every rank builds the same whole layers and input
   torch::nn::Linear a(h, h), b(h, h);
@@ -143,7 +143,7 @@ void run_tp_bench(const TpBenchOptions& o) {
                "--iters positive");
   const std::vector<Config> configs = {{"1d", 2, 2, 1}, {"1d", 4, 4, 1}, {"1d", 8, 8, 1},
                                        {"2d", 4, 2, 1}, {"2.5d", 8, 2, 2}, {"3d", 8, 2, 1}};  // 3d: q is the side
-  const Row one = rank == 0 ? measure({"one", 1, 1, 1}, nullptr, o) : Row{};
+  const Row one = rank == 0 ? measure_layout({"one", 1, 1, 1}, nullptr, o) : Row{};
   nlohmann::json rows = nlohmann::json::array();
   if (rank == 0 && !o.json) {
     fmt::print("strata bench tp: a {0}x{0} linear on {1} x {2} tokens, per layer and rank, forward and backward; one "
@@ -160,7 +160,7 @@ void run_tp_bench(const TpBenchOptions& o) {
     if (rank < c.ranks) sub = world->split(members, fmt::format("strata-bench-tp-{}-{}", c.mode, c.ranks));
     if (rank < c.ranks) {
       CountingCommunicator counting(*sub);
-      const Row r = measure(c, &counting, o);
+      const Row r = measure_layout(c, &counting, o);
       if (rank == 0) {
         const double expected = expected_bytes(c, o), paper = paper_bytes(c, o);
         const double activ = r.activation_bytes / one.activation_bytes;

@@ -457,6 +457,8 @@ std::unique_ptr<Communicator> make_nccl_communicator(std::shared_ptr<Communicato
   return std::make_unique<NcclCommunicator>(std::move(bootstrap), device, options);
 }
 
+#undef STRATA_CUDA_OK  // a unity batch's later files (Note [Unity builds of the LibTorch targets])
+
 #else  // no NCCL in this build
 
 bool nccl_available() { return false; }

@@ -33,26 +33,26 @@ struct Entry {
   bool transposed = false;  // aten::t of a placed parameter (LibTorch 1.13's F::linear), not a parameter itself
 };
 
-struct Registry {
+struct SplitTensors {
   std::mutex mu;
   std::unordered_map<const c10::TensorImpl*, Entry> entries;
 };
-Registry& registry() {
-  static auto* r = new Registry;  // never destroyed: static destructors may still run operators
+SplitTensors& split_tensors() {
+  static auto* r = new SplitTensors;  // never destroyed: static destructors may still run operators
   return *r;
 }
 
 // The live entry of `t`, or null. Callers hold the registry's lock.
 const Entry* find_locked(const at::Tensor& t) {
   if (!t.defined()) return nullptr;
-  const auto it = registry().entries.find(t.unsafeGetTensorImpl());
-  if (it == registry().entries.end() || it->second.tensor.lock().get() != t.unsafeGetTensorImpl()) return nullptr;
+  const auto it = split_tensors().entries.find(t.unsafeGetTensorImpl());
+  if (it == split_tensors().entries.end() || it->second.tensor.lock().get() != t.unsafeGetTensorImpl()) return nullptr;
   return &it->second;
 }
 
 void forget_expired_locked() {
-  for (auto it = registry().entries.begin(); it != registry().entries.end();) {
-    it = it->second.tensor.expired() ? registry().entries.erase(it) : std::next(it);
+  for (auto it = split_tensors().entries.begin(); it != split_tensors().entries.end();) {
+    it = it->second.tensor.expired() ? split_tensors().entries.erase(it) : std::next(it);
   }
 }
 
@@ -64,7 +64,7 @@ bool is_op(const c10::OperatorHandle& op, const char* name) {
 c10::optional<Entry> placed_arg(const torch::jit::Stack& stack, size_t n, size_t arg) {
   const c10::IValue& v = stack[stack.size() - n + arg];
   if (!v.isTensor()) return c10::nullopt;
-  std::lock_guard<std::mutex> lock(registry().mu);
+  std::lock_guard<std::mutex> lock(split_tensors().mu);
   const Entry* e = find_locked(v.toTensor());
   if (e == nullptr || e->placement == nullptr) return c10::nullopt;
   return *e;
@@ -90,9 +90,9 @@ bool run_placed(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     if (!e || e->transposed) return false;
     op.callBoxed(stack);
     const at::Tensor t = stack->back().toTensor();
-    std::lock_guard<std::mutex> lock(registry().mu);
+    std::lock_guard<std::mutex> lock(split_tensors().mu);
     forget_expired_locked();
-    registry().entries.insert_or_assign(t.unsafeGetTensorImpl(),
+    split_tensors().entries.insert_or_assign(t.unsafeGetTensorImpl(),
                                         Entry{c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()), e->group,
                                               e->copies, e->placement, nullptr, true});
     return true;
@@ -161,7 +161,7 @@ void layout_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 void place(const at::Tensor& param, Communicator& group, int copies, std::shared_ptr<const Placement> placement,
            std::optional<checkpoint::PartMap> map) {
   if (placement != nullptr) dispatch_keys::register_fallback_once<&layout_fallback>(kLayoutKey);
-  Registry& r = registry();
+  SplitTensors& r = split_tensors();
   std::lock_guard<std::mutex> lock(r.mu);
   forget_expired_locked();
   const bool keyed = placement != nullptr;
@@ -189,14 +189,14 @@ at::Tensor cut_part(const at::Tensor& whole, const Cut& cut, checkpoint::PartMap
 }
 
 std::optional<checkpoint::PartMap> part_map_of(const at::Tensor& param) {
-  std::lock_guard<std::mutex> lock(registry().mu);
+  std::lock_guard<std::mutex> lock(split_tensors().mu);
   const Entry* e = find_locked(param);
   if (e == nullptr || e->map == nullptr) return std::nullopt;
   return *e->map;
 }
 
 void restore_placement_key(const at::Tensor& t) {
-  std::lock_guard<std::mutex> lock(registry().mu);
+  std::lock_guard<std::mutex> lock(split_tensors().mu);
   const Entry* e = find_locked(t);
   if (e != nullptr && e->placement != nullptr) dispatch_keys::add(t.unsafeGetTensorImpl(), kLayoutKey);
 }
@@ -208,13 +208,13 @@ void mark_split(const torch::Tensor& param, Communicator& group, int copies) {
 }
 
 Communicator* tensor_group_of(const torch::Tensor& param) {
-  std::lock_guard<std::mutex> lock(tensor_layout::registry().mu);
+  std::lock_guard<std::mutex> lock(tensor_layout::split_tensors().mu);
   const tensor_layout::Entry* e = tensor_layout::find_locked(param);
   return e == nullptr ? nullptr : e->group;
 }
 
 int tensor_copies_of(const torch::Tensor& param) {
-  std::lock_guard<std::mutex> lock(tensor_layout::registry().mu);
+  std::lock_guard<std::mutex> lock(tensor_layout::split_tensors().mu);
   const tensor_layout::Entry* e = tensor_layout::find_locked(param);
   return e == nullptr ? 0 : e->copies;
 }

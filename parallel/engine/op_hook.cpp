@@ -20,12 +20,12 @@ constexpr c10::DispatchKey kHookKey = c10::DispatchKey::TESTING_ONLY_GenericMode
 std::atomic<OpHook*> g_scoped{nullptr};  // the hook whose Scope is active, if any
 
 // Every tracked storage, process-wide: which hook and which id it is.
-struct Registry {
+struct HookedStorages {
   std::mutex mu;
   std::unordered_map<const c10::StorageImpl*, std::pair<OpHook*, int64_t>> entries;
 };
-Registry& registry() {
-  static auto* r = new Registry;  // never destroyed: static destructors may still run operators
+HookedStorages& hooked_storages() {
+  static auto* r = new HookedStorages;  // never destroyed: static destructors may still run operators
   return *r;
 }
 
@@ -36,8 +36,8 @@ struct Found {
 
 void add_id(const at::Tensor& t, bool writes, Found& f, const c10::OperatorHandle& op) {
   if (!t.defined() || !t.has_storage()) return;
-  const auto it = registry().entries.find(t.storage().unsafeGetStorageImpl());
-  if (it == registry().entries.end()) return;
+  const auto it = hooked_storages().entries.find(t.storage().unsafeGetStorageImpl());
+  if (it == hooked_storages().entries.end()) return;
   const auto [hook, id] = it->second;
   STRATA_CHECK(f.hook == nullptr || f.hook == hook, "operator ", op.schema().name(),
                " takes parameters of two attached engines; use each engine's parameters in its own operators");
@@ -50,8 +50,8 @@ Found find_managed(const c10::OperatorHandle& op, const std::vector<c10::IValue>
   Found f;
   const auto& args = op.schema().arguments();
   const size_t n = std::min(args.size(), stack.size());
-  std::lock_guard<std::mutex> lock(registry().mu);
-  if (registry().entries.empty()) return f;
+  std::lock_guard<std::mutex> lock(hooked_storages().mu);
+  if (hooked_storages().entries.empty()) return f;
   for (size_t k = 0; k < n; ++k) {
     const c10::IValue& v = stack[stack.size() - n + k];
     const bool writes = args[k].alias_info() != nullptr && args[k].alias_info()->isWrite();
@@ -125,11 +125,11 @@ void OpHook::track(const at::Tensor& t, int64_t id) {
   STRATA_CHECK(t.defined() && t.has_storage(), "only dense tensors with storage can be managed");
   const c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
   {
-    std::lock_guard<std::mutex> lock(registry().mu);
-    const auto it = registry().entries.find(storage);
-    STRATA_CHECK(it == registry().entries.end() || it->second.first == this,
+    std::lock_guard<std::mutex> lock(hooked_storages().mu);
+    const auto it = hooked_storages().entries.find(storage);
+    STRATA_CHECK(it == hooked_storages().entries.end() || it->second.first == this,
                  "this tensor is already managed by another engine; attach a module to one engine at a time");
-    registry().entries[storage] = {this, id};
+    hooked_storages().entries[storage] = {this, id};
   }
   std::lock_guard<std::mutex> lock(mu_);
   tracked_[id] = {c10::intrusive_ptr<c10::TensorImpl>::reclaim_copy(t.unsafeGetTensorImpl()), storage};
@@ -141,8 +141,8 @@ void OpHook::untrack(int64_t id) {
   const auto it = tracked_.find(id);
   if (it == tracked_.end()) return;
   {
-    std::lock_guard<std::mutex> reg(registry().mu);
-    registry().entries.erase(it->second.second);
+    std::lock_guard<std::mutex> reg(hooked_storages().mu);
+    hooked_storages().entries.erase(it->second.second);
   }
   dispatch_keys::remove(it->second.first.get(), kHookKey);
   tracked_.erase(it);

@@ -27,6 +27,14 @@ namespace strata::parallel::grid_ops {
 torch::Tensor fused_block_rows(const torch::Tensor& t, int fused, int index, int parts, const std::string& what,
                                const std::string& of);
 
+/// n / parts, or an error naming the layout ("2D", "3D"), what is split
+/// ("the batch") and `of` (the layer or parameter, when there is one) when
+/// `parts` does not divide n.
+int64_t grid_block(int64_t n, int parts, const char* layout, const std::string& what, const std::string& of = "");
+/// A parameter replicated over `group` (null: no group), as its forward
+/// reads it: the identity forward, its gradient summed over the group in backward.
+torch::Tensor shared_over(const torch::Tensor& p, Communicator* group);
+
 // --- 2D and 2.5D (TensorGrid, Note [SUMMA] in layers_2d.cpp) ----------------
 
 /// A Linear's weight [out, in] (`fused` blocks of rows): W[output block col, input block row].

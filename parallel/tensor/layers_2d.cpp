@@ -34,7 +34,14 @@ namespace {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
-using namespace group_ops;
+using group_ops::all_gather_dim;
+using group_ops::AllReduceBoth;
+using group_ops::GatherKept;
+using group_ops::GatherSummed;
+using group_ops::host_buffer;
+using group_ops::reduce_scatter_stacked;
+using group_ops::ReduceScatterGathered;
+using group_ops::vocab_block_rows;
 
 using GatherLastSummed = GatherSummed<-1>;
 using ReduceScatterFirst = ReduceScatterGathered<0>;
@@ -98,15 +105,8 @@ struct Summa : torch::autograd::Function<Summa> {
 
 // A parameter the same on `group`'s ranks whose uses see different data:
 // its gradient is summed over the group (f of Note [Megatron's f and g]).
-torch::Tensor shared_over(const torch::Tensor& p, Communicator* group) {
-  return group == nullptr || group->world_size() == 1 ? p : copy_to_group(p, *group);
-}
-
-// `of`: the layer or parameter, when there is one to name.
 int64_t block(int64_t n, int parts, const std::string& what, const std::string& of = "") {
-  STRATA_CHECK(n % parts == 0, "2D tensor parallelism splits ", what, " (", n, ")", of.empty() ? "" : " of " + of,
-               " into ", parts, " equal blocks; choose sizes divisible by ", parts);
-  return n / parts;
+  return grid_ops::grid_block(n, parts, "2D", what, of);
 }
 
 }  // namespace
@@ -151,6 +151,16 @@ torch::Tensor TensorGrid::split(const torch::Tensor& whole) const {
 // --- the layers' arithmetic (grid_ops.h) -------------------------------------
 
 namespace grid_ops {
+
+int64_t grid_block(int64_t n, int parts, const char* layout, const std::string& what, const std::string& of) {
+  STRATA_CHECK(n % parts == 0, layout, " tensor parallelism splits ", what, " (", n, ")",
+               of.empty() ? "" : " of " + of, " into ", parts, " equal blocks; choose sizes divisible by ", parts);
+  return n / parts;
+}
+
+torch::Tensor shared_over(const torch::Tensor& p, Communicator* group) {
+  return group == nullptr || group->world_size() == 1 ? p : copy_to_group(p, *group);
+}
 
 torch::Tensor fused_block_rows(const torch::Tensor& t, int fused, int index, int parts, const std::string& what,
                                const std::string& of) {

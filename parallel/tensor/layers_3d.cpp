@@ -32,21 +32,17 @@ namespace strata::parallel {
 
 namespace {
 
-using namespace group_ops;
+using group_ops::AllReduceBoth;
+using group_ops::GatherKept;
+using group_ops::GatherSummed;
+using group_ops::ReduceScatterGathered;
 
 using GatherFirstSummed = GatherSummed<0>;
 using GatherLastSummed = GatherSummed<-1>;
 using ReduceScatterFirst = ReduceScatterGathered<0>;
 
-// `of`: the layer or parameter, when there is one to name.
-int64_t block(int64_t n, int parts, const std::string& what, const std::string& of = "") {
-  STRATA_CHECK(n % parts == 0, "3D tensor parallelism splits ", what, " (", n, ")", of.empty() ? "" : " of " + of,
-               " into ", parts, " equal blocks; choose sizes divisible by ", parts);
-  return n / parts;
-}
-
-torch::Tensor shared_over(const torch::Tensor& p, Communicator& group) {
-  return group.world_size() == 1 ? p : copy_to_group(p, group);
+int64_t cube_block(int64_t n, int parts, const std::string& what, const std::string& of = "") {
+  return grid_ops::grid_block(n, parts, "3D", what, of);
 }
 
 }  // namespace
@@ -84,12 +80,12 @@ CubeGrid::CubeGrid(Communicator& group) : group_(&group) {
 }
 
 torch::Tensor CubeGrid::split_batch(const torch::Tensor& whole, Side3D side) const {
-  const int64_t n = block(whole.size(0), d_ * d_, "the batch");
+  const int64_t n = cube_block(whole.size(0), d_ * d_, "the batch");
   return whole.narrow(0, n * (i_ * d_ + coord(piece_axis(side))), n).contiguous();
 }
 
 torch::Tensor CubeGrid::split(const torch::Tensor& whole, Side3D side) const {
-  const int64_t f = block(whole.size(-1), d_, "the features");
+  const int64_t f = cube_block(whole.size(-1), d_, "the features");
   return split_batch(whole, side).narrow(-1, f * coord(feature_axis(side)), f).contiguous();
 }
 
@@ -101,8 +97,8 @@ torch::Tensor linear_3d_part(const torch::Tensor& w, const CubeGrid& g, Side3D i
                              const std::string& what) {
   const int d = g.d();
   const int f = CubeGrid::feature_axis(input_side), o = CubeGrid::piece_axis(input_side);
-  const int64_t in = block(w.size(1), d, "the input features", what);
-  const int64_t piece = block(w.size(0) / d, d, "a block of the output features", what);
+  const int64_t in = cube_block(w.size(1), d, "the input features", what);
+  const int64_t piece = cube_block(w.size(0) / d, d, "a block of the output features", what);
   torch::NoGradGuard no_grad;
   return fused_block_rows(w, fused, g.coord(o), d, "the output features", what)
       .narrow(0, piece * g.i(), piece)
@@ -117,7 +113,7 @@ torch::Tensor linear_3d_bias_part(const torch::Tensor& b, const CubeGrid& g, Sid
 }
 
 torch::Tensor features_3d_part(const torch::Tensor& v, const CubeGrid& g, Side3D side, const std::string& what) {
-  const int64_t f = block(v.size(0), g.d(), "the features", what);
+  const int64_t f = cube_block(v.size(0), g.d(), "the features", what);
   torch::NoGradGuard no_grad;
   return v.narrow(0, f * g.coord(CubeGrid::feature_axis(side)), f).clone();
 }
@@ -125,8 +121,8 @@ torch::Tensor features_3d_part(const torch::Tensor& v, const CubeGrid& g, Side3D
 torch::Tensor embedding_3d_part(const torch::Tensor& w, const CubeGrid& g, Side3D side, const std::string& what) {
   const int d = g.d();
   const int f = CubeGrid::feature_axis(side), o = CubeGrid::piece_axis(side);
-  const int64_t dim = block(w.size(1), d, "the embedding dim", what);
-  const int64_t piece = block(dim, d * d, "a block of the embedding dim", what);
+  const int64_t dim = cube_block(w.size(1), d, "the embedding dim", what);
+  const int64_t piece = cube_block(dim, d * d, "a block of the embedding dim", what);
   torch::NoGradGuard no_grad;
   return w.narrow(1, dim * g.coord(f) + piece * (g.i() * d + g.coord(o)), piece).clone();
 }
@@ -138,7 +134,7 @@ torch::Tensor linear_3d(const torch::Tensor& x, const torch::Tensor& w, const to
   const torch::Tensor xg = GatherFirstSummed::apply(&g.axis(o), x);
   const torch::Tensor wg = GatherFirstSummed::apply(&g.axis(0), w);
   torch::Tensor y = ReduceScatterFirst::apply(&g.axis(f), torch::matmul(xg, wg.t()));
-  return bias.defined() ? y + shared_over(bias, g.plane(o)) : y;
+  return bias.defined() ? y + shared_over(bias, &g.plane(o)) : y;
 }
 
 torch::Tensor layer_norm_3d(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& bias,
@@ -149,8 +145,8 @@ torch::Tensor layer_norm_3d(const torch::Tensor& x, const torch::Tensor& w, cons
   const torch::Tensor centred = x - mean;
   const torch::Tensor var =
       AllReduceBoth::apply(&across, (centred * centred).sum(-1, true)) / static_cast<double>(features);
-  torch::Tensor y = centred * torch::rsqrt(var + eps) * shared_over(w, g.plane(f));
-  return bias.defined() ? y + shared_over(bias, g.plane(f)) : y;
+  torch::Tensor y = centred * torch::rsqrt(var + eps) * shared_over(w, &g.plane(f));
+  return bias.defined() ? y + shared_over(bias, &g.plane(f)) : y;
 }
 
 torch::Tensor embedding_3d(const torch::Tensor& w, const torch::Tensor& ids, CubeGrid& g, Side3D side) {

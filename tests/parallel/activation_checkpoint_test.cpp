@@ -58,7 +58,7 @@ TEST(ActivationCheckpoint, SameGradientsWithDropoutAndALowerActivationPeak) {
 
 // Under an attached engine: training with checkpointing equals training
 // without it, in fp32 and bf16, and the trace shows the recomputation.
-void engine_run(DType precision, double tol) {
+void checkpointed_engine_run(DType precision, double tol) {
   const std::string traces[2] = {temp_path("plain-trace", ".json"), temp_path("ckpt-trace", ".json")};
   std::vector<std::vector<double>> losses(2);
   std::vector<std::vector<torch::Tensor>> finals(2);
@@ -152,8 +152,8 @@ TEST(ActivationCheckpoint, ParametersStayOnTheDeviceFromRecomputationThroughBack
   std::filesystem::remove(trace);
 }
 
-TEST(ActivationCheckpoint, EngineTrainsTheSameWithItInFp32) { engine_run(DType::kFloat32, 1e-6); }
-TEST(ActivationCheckpoint, EngineTrainsTheSameWithItInBf16) { engine_run(DType::kBFloat16, 1e-6); }
+TEST(ActivationCheckpoint, EngineTrainsTheSameWithItInFp32) { checkpointed_engine_run(DType::kFloat32, 1e-6); }
+TEST(ActivationCheckpoint, EngineTrainsTheSameWithItInBf16) { checkpointed_engine_run(DType::kBFloat16, 1e-6); }
 
 }  // namespace
 }  // namespace strata::parallel

@@ -86,7 +86,7 @@ TEST(ActivationOffload, NothingIsKeptWhenNoBackwardComes) {
 
 // Under an attached engine: training with offload equals training without it
 // exactly, and what forward leaves on the device drops by the offloaded bytes.
-void engine_run(DType precision) {
+void offloaded_engine_run(DType precision) {
   NonModelCounter& counter = cpu_non_model_counter();
   uint64_t forward_growth[2] = {0, 0};
   std::vector<std::vector<double>> losses(2);
@@ -130,8 +130,8 @@ void engine_run(DType precision) {
 }
 
 
-TEST(ActivationOffload, EngineTrainsExactlyTheSameInFp32) { engine_run(DType::kFloat32); }
-TEST(ActivationOffload, EngineTrainsExactlyTheSameInBf16) { engine_run(DType::kBFloat16); }
+TEST(ActivationOffload, EngineTrainsExactlyTheSameInFp32) { offloaded_engine_run(DType::kFloat32); }
+TEST(ActivationOffload, EngineTrainsExactlyTheSameInBf16) { offloaded_engine_run(DType::kBFloat16); }
 
 }  // namespace
 }  // namespace strata::parallel

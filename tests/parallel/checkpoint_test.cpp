@@ -56,7 +56,7 @@ EngineOptions options_for(torch::nn::Module& model, const RunConfig& s, const st
 }
 
 // `steps` micro-steps on batches drawn from LibTorch's RNG; the losses.
-std::vector<double> train(Engine& engine, torch::nn::Module& model, int steps) {
+std::vector<double> train_steps(Engine& engine, torch::nn::Module& model, int steps) {
   std::vector<double> losses;
   auto& seq = dynamic_cast<torch::nn::SequentialImpl&>(model);
   for (int s = 0; s < steps; ++s) {
@@ -81,9 +81,9 @@ double resume_gap(const RunConfig& setup, const RunConfig& loader) {
   std::vector<double> continued;
   {
     auto engine = attach(*a, AdamWConfig{}, options_for(*a, setup, nvme + "-a"));
-    train(*engine, *a, first);
+    train_steps(*engine, *a, first);
     engine->save(dir);
-    continued = train(*engine, *a, 10);
+    continued = train_steps(*engine, *a, 10);
   }
   auto b = deep_mlp(4);  // other initial weights: the checkpoint must replace them all
   torch::manual_seed(99);  // and another RNG state: the checkpoint restores it
@@ -91,7 +91,7 @@ double resume_gap(const RunConfig& setup, const RunConfig& loader) {
   {
     auto engine = attach(*b, AdamWConfig{}, options_for(*b, loader, nvme + "-b"));
     engine->load(dir);
-    resumed = train(*engine, *b, 10);
+    resumed = train_steps(*engine, *b, 10);
   }
   EXPECT_EQ(resumed, continued) << "losses after resume";
   double worst = 0;
@@ -148,7 +148,7 @@ TEST(Checkpoint, SavesAndLoadsStateLargerThanTheHostBudget) {
   o.chunk_elems = 1024;
   auto engine = attach(*model, AdamWConfig{}, o);
   torch::manual_seed(16);
-  train(*engine, *model, 3);
+  train_steps(*engine, *model, 3);
   engine->save(dir);
   engine->load(dir);
   const memory::TierStats host = engine->tier_stats(memory::Tier::kHost);
@@ -171,7 +171,7 @@ TEST(Checkpoint, DamageAndMismatchAreRefusedBeforeAnythingChanges) {
   torch::manual_seed(5);
   auto model = deep_mlp(6);
   auto engine = attach(*model, AdamWConfig{}, options_for(*model, {}, ""));
-  train(*engine, *model, 3);
+  train_steps(*engine, *model, 3);
   engine->save(dir);
   const std::string pristine = temp_path("ckpt-pristine");
   fs::copy(dir, pristine, fs::copy_options::recursive);
@@ -241,20 +241,20 @@ TEST(Checkpoint, FailedLoadLeavesTheEngineAsItWas) {
   auto ea = attach(*a, AdamWConfig{}, options_for(*a, {}, ""));
   auto eb = attach(*b, AdamWConfig{}, options_for(*b, {}, ""));
   torch::manual_seed(9);
-  train(*ea, *a, 2);
+  train_steps(*ea, *a, 2);
   ea->save(dir);
   torch::manual_seed(10);
-  train(*ea, *a, 2);
+  train_steps(*ea, *a, 2);
   torch::manual_seed(9);
-  train(*eb, *b, 2);
+  train_steps(*eb, *b, 2);
   torch::manual_seed(10);
-  train(*eb, *b, 2);
+  train_steps(*eb, *b, 2);
   fs::resize_file(dir + "/exp_avg.safetensors", 100);
   EXPECT_NE(error_of([&] { ea->load(dir); }).find("truncated"), std::string::npos);
   torch::manual_seed(11);
-  const auto la = train(*ea, *a, 3);
+  const auto la = train_steps(*ea, *a, 3);
   torch::manual_seed(11);
-  const auto lb = train(*eb, *b, 3);
+  const auto lb = train_steps(*eb, *b, 3);
   EXPECT_EQ(la, lb);
   fs::remove_all(dir);
 }
@@ -338,7 +338,7 @@ TEST(Checkpoint, WeightsExportAsSafetensorsAndImportAtAttach) {
   {
     auto engine = attach(*model, AdamWConfig{}, options_for(*model, {}, ""));
     torch::manual_seed(13);
-    train(*engine, *model, 3);
+    train_steps(*engine, *model, 3);
     engine->export_weights(path);
   }  // detached: the module's tensors hold the trained values again
   std::ifstream in(path, std::ios::binary);

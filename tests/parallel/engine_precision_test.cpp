@@ -52,7 +52,7 @@ struct TrainRun {
 };
 
 template <typename Model>
-TrainRun train(DType precision, std::shared_ptr<Model> model, const std::vector<Batch>& data, bool float_input) {
+TrainRun train_in(DType precision, std::shared_ptr<Model> model, const std::vector<Batch>& data, bool float_input) {
   EngineOptions o;
   o.budgets = {32 << 10, 1 << 20, 0};  // the fp32 MLP's model state is 106 KiB
   o.chunk_elems = 1024;
@@ -100,7 +100,7 @@ void expect_close_to_fp32(const TrainRun& low, const TrainRun& fp32, double tol)
 template <typename Make>
 TrainRun train_fresh(DType precision, Make make, const std::vector<Batch>& data, bool float_input) {
   torch::manual_seed(9);
-  return train(precision, make(), data, float_input);
+  return train_in(precision, make(), data, float_input);
 }
 
 TEST(EnginePrecision, Bf16MlpStaysCloseToFp32) {
