@@ -46,11 +46,13 @@
 #include <cstring>
 #include <fmt/format.h>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "child_process.h"
+#include "port_hold.h"
 #include "commands.h"
 #include "strata/core/error.h"
 
@@ -67,20 +69,6 @@ struct RunOptions {
   std::vector<std::string> command;
   std::FILE* out = stdout;  // where the ranks' prefixed lines and the launcher's own go
 };
-
-int free_port() {
-  const int fd = STRATA_SYSCALL(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0), "cannot open a socket to find a free port");
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  a.sin_port = 0;
-  socklen_t len = sizeof a;
-  int err = STRATA_SYSCALL_ERRNO(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a));
-  if (err == 0) err = STRATA_SYSCALL_ERRNO(::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len));
-  ::close(fd);
-  if (err != 0) STRATA_FAIL_ERRNO(err, "bind", "cannot find a free TCP port (give --master-port)");
-  return ntohs(a.sin_port);
-}
 
 struct Rank {
   int rank = 0;
@@ -161,7 +149,9 @@ int run_ranks(const RunOptions& o) {
   STRATA_CHECK(o.nproc >= 1 && o.nnodes >= 1 && o.node_rank >= 0 && o.node_rank < o.nnodes,
                "-n must be at least 1 and --node-rank below --nnodes");
   STRATA_CHECK(o.nnodes == 1 || o.master_port > 0, "a multi-node job needs the same --master-port on every node");
-  const int port = o.master_port > 0 ? o.master_port : free_port();
+  std::optional<PortHold> held;  // Note [A port held for the job]: until every rank has exited
+  if (o.master_port == 0) held.emplace();
+  const int port = held ? held->port() : o.master_port;
   const int world = o.nproc * o.nnodes;
   // Note [Threads per rank]: 0 with one rank, which keeps the whole machine.
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
