@@ -252,12 +252,13 @@ void run_scale_bench(const ScaleBenchOptions& o) {
     // The step's NVMe traffic by what moved: each role's bytes read / written.
     nlohmann::json by_role = nlohmann::json::object();
     std::string roles;
-    for (size_t r = 0; r < moves_after.nvme_read_by_role.size(); ++r) {
-      const uint64_t rd = moves_after.nvme_read_by_role[r] - moves_before.nvme_read_by_role[r];
-      const uint64_t wr = moves_after.nvme_written_by_role[r] - moves_before.nvme_written_by_role[r];
-      const uint64_t demand = moves_after.nvme_demand_read_by_role[r] - moves_before.nvme_demand_read_by_role[r];
+    const mem::MoveStats moved = moves_after - moves_before;
+    for (size_t r = 0; r < moved.nvme_read_by_role.size(); ++r) {
+      const uint64_t rd = moved.nvme_read_by_role[r];
+      const uint64_t wr = moved.nvme_written_by_role[r];
+      const uint64_t demand = moved.nvme_demand_read_by_role[r];
       // Note [Clean copies on NVMe]: evictions that found their copy unchanged and wrote nothing.
-      const uint64_t kept = moves_after.nvme_kept_by_role[r] - moves_before.nvme_kept_by_role[r];
+      const uint64_t kept = moved.nvme_kept_by_role[r];
       const char* name = mem::chunk_role_name(static_cast<mem::ChunkRole>(r));
       by_role[name] = {{"read_bytes", rd}, {"demand_read_bytes", demand}, {"written_bytes", wr},
                        {"kept_clean_bytes", kept}};

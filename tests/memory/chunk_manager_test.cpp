@@ -632,6 +632,42 @@ TEST(ChunkManager, AParameterChunkEvictedUnchangedIsNotWrittenAgain) {
   expect_peaks_within_budgets(mgr);
 }
 
+// The difference of two move_stats() readings is what moved between them, in
+// every field, whatever came before the first reading.
+TEST(ChunkManager, MoveStatsBetweenTwoReadingsAreTheMovesInBetween) {
+  TestNvme nvme(8 * kPage);
+  ChunkManager mgr(options(kPage, 2 * kPage, 8 * kPage, nvme.store));
+  const auto ids = add_chunks(mgr, 3);
+  const auto param = static_cast<size_t>(ChunkRole::kParam);
+  const auto host = static_cast<size_t>(Tier::kHost), dev = static_cast<size_t>(Tier::kDevice),
+             disk = static_cast<size_t>(Tier::kNvme);
+  for (const ChunkId id : ids) fill(mgr, id, Tier::kHost);  // the third evicts the first to NVMe
+  mgr.move(ids[1], Tier::kNvme);
+  const MoveStats before = mgr.move_stats();
+  ASSERT_GT(before.nvme_written_by_role[param], 0u) << "the reading must start from moves already made";
+
+  mgr.access(ids[0], Tier::kDevice);  // NVMe -> device on demand
+  mgr.move(ids[0], Tier::kHost);      // device -> host, into the room left
+  mgr.access(ids[1], Tier::kHost);    // NVMe -> host, evicting one of the two there
+  const MoveStats d = mgr.move_stats() - before;
+
+  EXPECT_EQ(d.bytes[disk][dev], kPage);
+  EXPECT_EQ(d.count[disk][dev], 1u);
+  EXPECT_EQ(d.bytes[dev][host], kPage);
+  EXPECT_EQ(d.bytes[disk][host], kPage);
+  EXPECT_EQ(d.nvme_read_by_role[param], 2 * kPage);
+  EXPECT_EQ(d.nvme_demand_read_by_role[param], 2 * kPage);
+  // The one eviction in between: written, or kept clean if it chose chunk 0.
+  EXPECT_EQ(d.bytes[host][disk] + d.nvme_kept_by_role[param], kPage);
+  EXPECT_EQ(d.nvme_written_by_role[param], d.bytes[host][disk]);
+  EXPECT_EQ(d.started_bytes[disk][dev], kPage);
+  const MoveStats none = mgr.move_stats() - mgr.move_stats();
+  for (size_t from = 0; from < none.bytes.size(); ++from) {
+    for (size_t to = 0; to < none.bytes.size(); ++to) EXPECT_EQ(none.bytes[from][to], 0u);
+  }
+  EXPECT_EQ(none.stalls, 0u);
+}
+
 // Kept copies are a cache inside the NVMe budget: a chunk that needs the
 // room takes it from them, and a chunk whose copy was dropped is written
 // when it goes back.

@@ -713,9 +713,9 @@ TEST(Engine, GradientStatisticsTakenInBackwardReadSpilledGradientsOnce) {
         const memory::MoveStats before = engine->move_stats();
         const auto loss = [&] { return torch::mse_loss(model->forward(engine->to_device(x)).to(torch::kFloat32), y); };
         const StepResult res = hook ? engine->train_step(loss, [] {}) : engine->train_step(loss);
-        const memory::MoveStats after = engine->move_stats();
-        const uint64_t read = after.nvme_read_by_role[grad] - before.nvme_read_by_role[grad];
-        const uint64_t written = after.nvme_written_by_role[grad] - before.nvme_written_by_role[grad];
+        const memory::MoveStats step = engine->move_stats() - before;
+        const uint64_t read = step.nvme_read_by_role[grad];
+        const uint64_t written = step.nvme_written_by_role[grad];
         r.read_at_most_written_each_step = r.read_at_most_written_each_step && read <= written;
         r.grad_read += read;
         r.grad_written += written;
@@ -788,11 +788,11 @@ TEST(Engine, MixedPrecisionUpdateReadsNoParameterBackAndWritesNoDeadGradient) {
             }
           });
       EXPECT_TRUE(res.stepped) << "step " << s;
-      const memory::MoveStats after = engine->move_stats();
-      r.param_read += after.nvme_read_by_role[param] - before.nvme_read_by_role[param];
-      r.steps_reading_params += after.nvme_read_by_role[param] != before.nvme_read_by_role[param];
-      r.grad_read += after.nvme_read_by_role[grad] - before.nvme_read_by_role[grad];
-      r.grad_written += after.nvme_written_by_role[grad] - before.nvme_written_by_role[grad];
+      const memory::MoveStats moved = engine->move_stats() - before;
+      r.param_read += moved.nvme_read_by_role[param];
+      r.steps_reading_params += moved.nvme_read_by_role[param] != 0;
+      r.grad_read += moved.nvme_read_by_role[grad];
+      r.grad_written += moved.nvme_written_by_role[grad];
       r.losses.push_back(res.loss);
     }
     r.params = finish_run(engine, *model, dir);
@@ -857,12 +857,12 @@ TEST(Engine, UpdatesInBackwardEqualTheStepWithoutClipping) {
       for (int s = 0; s < 5; ++s) {
         const torch::Tensor x = torch::randn({64, 32}), y = torch::randn({64, 64});
         const uint64_t before = nvme_traffic(*engine);
-        const uint64_t grad_before = engine->move_stats().nvme_written_by_role[grad];
+        const memory::MoveStats moves_before = engine->move_stats();
         const StepResult res = engine->train_step(
             [&] { return torch::mse_loss(model->forward(engine->to_device(x)).to(torch::kFloat32), y); });
         EXPECT_TRUE(res.stepped) << "step " << s;
         EXPECT_GE(nvme_traffic(*engine) - before, bound.one_step.total()) << dtype_name(precision) << " step " << s;
-        if (s > 0) r.grad_written += engine->move_stats().nvme_written_by_role[grad] - grad_before;
+        if (s > 0) r.grad_written += (engine->move_stats() - moves_before).nvme_written_by_role[grad];
         r.losses.push_back(res.loss);
         r.norms.push_back(res.grad_norm);
         r.early.push_back(res.updated_in_backward);
@@ -1160,8 +1160,9 @@ TEST(Engine, ParametersOnNvmeAreStagedBeforeTheirOperatorsAsk) {
       if (s == 0) first = engine->move_stats();
     }
     const memory::MoveStats m = engine->move_stats();
-    r.read = m.nvme_read_by_role[param] - first.nvme_read_by_role[param];
-    r.demand = m.nvme_demand_read_by_role[param] - first.nvme_demand_read_by_role[param];
+    const memory::MoveStats since_first = m - first;
+    r.read = since_first.nvme_read_by_role[param];
+    r.demand = since_first.nvme_demand_read_by_role[param];
     for (size_t k = 0; k < m.nvme_read_by_role.size(); ++k) r.all_read += m.nvme_read_by_role[k];
     for (const auto& p : model->parameters()) r.params.push_back(p.detach().clone());
     engine.reset();
@@ -1222,11 +1223,12 @@ TEST(Engine, ParameterChunksAreWrittenToNvmeAtMostOnceAStep) {
       const memory::MoveStats after = engine->move_stats();
       // The first step evicts chunks attach left on host, which have no copy on NVMe yet.
       if (s > 0) {
-        const uint64_t written = after.nvme_written_by_role[param] - before.nvme_written_by_role[param];
-        const uint64_t read = after.nvme_read_by_role[param] - before.nvme_read_by_role[param];
+        const memory::MoveStats step = after - before;
+        const uint64_t written = step.nvme_written_by_role[param];
+        const uint64_t read = step.nvme_read_by_role[param];
         r.most_written = std::max(r.most_written, written);
         r.least_read = r.least_read == 0 ? read : std::min(r.least_read, read);
-        r.kept += after.nvme_kept_by_role[param] - before.nvme_kept_by_role[param];
+        r.kept += step.nvme_kept_by_role[param];
       }
       before = after;
     }

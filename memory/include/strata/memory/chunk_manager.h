@@ -140,6 +140,10 @@ struct MoveStats {
   uint64_t stall_bytes = 0;    // bytes of the chunks those calls waited for
 };
 
+/// What moved between two readings of move_stats(): `later` less `earlier`,
+/// field by field (every field only grows, so `earlier` must be read first).
+MoveStats operator-(const MoveStats& later, const MoveStats& earlier);
+
 class ChunkManager {
  public:
   explicit ChunkManager(ChunkManagerOptions options);
