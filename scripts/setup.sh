@@ -174,7 +174,13 @@ start=$SECONDS
 (cd "$root/build" && ctest -j "$jobs" --timeout "$test_timeout" --output-on-failure)
 echo "test suite took $((SECONDS - start)) s"
 
-configure_and_build build-asan -DSTRATA_SANITIZE=ON -DSTRATA_WITH_TORCH=OFF -DSTRATA_BUILD_EXAMPLES=OFF
+# The sanitizer builds at -O1 -g1 (the optimisation ASan's docs suggest; line
+# tables for the reports' file:line): memory/trace.cpp compiles in 16.6 s
+# under ASan so, against 35.8 s at the default -O2 -g.
+sanitizer_flags=(-DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g1 -DNDEBUG"
+  "-DCMAKE_C_FLAGS_RELWITHDEBINFO=-O1 -g1 -DNDEBUG")
+configure_and_build build-asan -DSTRATA_SANITIZE=ON -DSTRATA_WITH_TORCH=OFF -DSTRATA_BUILD_EXAMPLES=OFF \
+  "${sanitizer_flags[@]}"
 step "running the unit tests under AddressSanitizer + UndefinedBehaviorSanitizer"
 start=$SECONDS
 (cd "$root/build-asan" && ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1 \
@@ -186,7 +192,7 @@ echo "sanitizer run took $((SECONDS - start)) s"
 # streams) under ThreadSanitizer: only the three test programs that hold them are built.
 build_targets=(--target kernels_test offload_test memory_test)
 configure_and_build build-tsan -DSTRATA_TSAN=ON -DSTRATA_WITH_TORCH=OFF -DSTRATA_WITH_CUDA=OFF \
-  -DSTRATA_BUILD_EXAMPLES=OFF
+  -DSTRATA_BUILD_EXAMPLES=OFF "${sanitizer_flags[@]}"
 build_targets=()
 step "running the concurrency tests under ThreadSanitizer"
 start=$SECONDS
