@@ -92,8 +92,9 @@ def scan(path):
         m = re.match(r"\s*#\s*undef\s+(\w+)", line)
         if m:
             macros.pop(m.group(1), None)
-    code = re.sub(r"^\s*#.*$", "", text, flags=re.M)
-    stack, statement, line = [], [], 1  # stack: 'anon', 'ns', 'block'
+    # Preprocessor lines, a macro's continued lines with them, are no code here.
+    code = re.sub(r"^\s*#(?:.*\\\n)*.*$", "", text, flags=re.M)
+    stack, statement = [], []  # stack: 'anon', 'ns', 'block'
     for tok in re.finditer(r"[{};]|[^{};]+", code):
         t = tok.group(0)
         if t == "{":
@@ -121,7 +122,6 @@ def scan(path):
             statement = []
         else:
             statement.append(t)
-            line += t.count("\n")
     return functions, usings, macros
 
 
