@@ -41,8 +41,8 @@ option(STRATA_TORCH_PCH "Compile LibTorch translation units with one precompiled
 # engine_test, optimizer_test and checkpoint_test took 22 + 18 + 23 s alone
 # at -O2 -g1 and 31 s as one file. So every LibTorch target of more than
 # one file compiles as unity batches of STRATA_UNITY_BATCH files (CMake's
-# UNITY_BUILD): the LibTorch objects' compile time, summed, fell from 2974 s
-# to 916 s. It comes with the PCH (STRATA_TORCH_PCH=OFF turns both off).
+# UNITY_BUILD; docs/building.md has the whole build's figures). It comes
+# with the PCH (STRATA_TORCH_PCH=OFF turns both off).
 #
 # What a batch costs: a file-local name (an anonymous namespace, a static
 # function) must be unique within its target, since it now shares a

@@ -791,29 +791,36 @@ TierStats ChunkManager::tier_stats(Tier tier) const {
   return stats_[static_cast<int>(tier)];
 }
 
+namespace {
+
+// a - b, element by element through nested std::arrays.
+template <class T>
+T minus(const T& a, const T& b) {
+  if constexpr (std::is_arithmetic_v<T>) {
+    return a - b;
+  } else {
+    T d{};
+    for (size_t i = 0; i < d.size(); ++i) d[i] = minus(a[i], b[i]);
+    return d;
+  }
+}
+
+}  // namespace
+
 MoveStats operator-(const MoveStats& later, const MoveStats& earlier) {
   MoveStats d;
-  const auto less = [](auto& out, const auto& a, const auto& b) {
-    for (size_t i = 0; i < out.size(); ++i) {
-      if constexpr (std::is_arithmetic_v<std::decay_t<decltype(out[i])>>) {
-        out[i] = a[i] - b[i];
-      } else {
-        for (size_t j = 0; j < out[i].size(); ++j) out[i][j] = a[i][j] - b[i][j];
-      }
-    }
-  };
-  less(d.bytes, later.bytes, earlier.bytes);
-  less(d.count, later.count, earlier.count);
-  less(d.started_bytes, later.started_bytes, earlier.started_bytes);
-  less(d.started_count, later.started_count, earlier.started_count);
-  less(d.demand_bytes, later.demand_bytes, earlier.demand_bytes);
-  less(d.nvme_read_by_role, later.nvme_read_by_role, earlier.nvme_read_by_role);
-  less(d.nvme_written_by_role, later.nvme_written_by_role, earlier.nvme_written_by_role);
-  less(d.nvme_demand_read_by_role, later.nvme_demand_read_by_role, earlier.nvme_demand_read_by_role);
-  less(d.nvme_kept_by_role, later.nvme_kept_by_role, earlier.nvme_kept_by_role);
-  d.stalls = later.stalls - earlier.stalls;
-  d.stall_seconds = later.stall_seconds - earlier.stall_seconds;
-  d.stall_bytes = later.stall_bytes - earlier.stall_bytes;
+  d.bytes = minus(later.bytes, earlier.bytes);
+  d.count = minus(later.count, earlier.count);
+  d.started_bytes = minus(later.started_bytes, earlier.started_bytes);
+  d.started_count = minus(later.started_count, earlier.started_count);
+  d.demand_bytes = minus(later.demand_bytes, earlier.demand_bytes);
+  d.nvme_read_by_role = minus(later.nvme_read_by_role, earlier.nvme_read_by_role);
+  d.nvme_written_by_role = minus(later.nvme_written_by_role, earlier.nvme_written_by_role);
+  d.nvme_demand_read_by_role = minus(later.nvme_demand_read_by_role, earlier.nvme_demand_read_by_role);
+  d.nvme_kept_by_role = minus(later.nvme_kept_by_role, earlier.nvme_kept_by_role);
+  d.stalls = minus(later.stalls, earlier.stalls);
+  d.stall_seconds = minus(later.stall_seconds, earlier.stall_seconds);
+  d.stall_bytes = minus(later.stall_bytes, earlier.stall_bytes);
   return d;
 }
 

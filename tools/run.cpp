@@ -29,12 +29,9 @@
 // launcher are passed on to every rank's group the same way. When starting
 // the ranks fails half way (no more file descriptors, no more processes), the
 // groups already started are killed and reaped before the error is reported.
-#include <arpa/inet.h>
 #include <fcntl.h>
-#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 

@@ -10,12 +10,8 @@
 // - StepGathers: the parameter chunk all-gathered from every rank's shard.
 // - OperatorGathers: ranks wanting different chunks agree on one sequence
 //   of gathers (Note [Gathers agreed in rounds]) and each gets the whole chunk.
-#include <arpa/inet.h>
 #include <gtest/gtest.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <torch/torch.h>
-#include <unistd.h>
 
 #include <exception>
 #include <functional>
@@ -25,6 +21,7 @@
 
 #include "component_fixture.h"
 #include "engine/grad_sink.h"
+#include "port_hold.h"
 #include "zero/gathers.h"
 #include "zero/reducer.h"
 
@@ -33,22 +30,10 @@ namespace {
 
 constexpr int kWorld = 2;
 
-int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof a;
-  EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
-  EXPECT_EQ(::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len), 0);
-  ::close(fd);
-  return ntohs(a.sin_port);
-}
-
 // Runs fn(rank, communicator) on kWorld ranks, one thread each; a rank's
 // failure (an exception, a failed expectation's throw) fails the test.
 void on_ranks(const std::function<void(int, std::shared_ptr<Communicator>)>& fn) {
-  const int port = free_port();
+  const tools::PortHold port;  // held until both ranks are done (Note [A port held for the job])
   std::vector<std::exception_ptr> errors(kWorld);
   std::vector<std::thread> ranks;
   for (int r = 0; r < kWorld; ++r) {
@@ -59,7 +44,7 @@ void on_ranks(const std::function<void(int, std::shared_ptr<Communicator>)>& fn)
         rv.world_size = kWorld;
         rv.local_rank = r;
         rv.local_world_size = kWorld;
-        rv.master_port = port;
+        rv.master_port = port.port();
         CommunicatorOptions co;
         co.timeout = std::chrono::seconds(30);
         fn(r, make_gloo_communicator(rv, co));
