@@ -127,10 +127,18 @@ def scan(path):
 
 def unity_targets(build_dir):
     """{target dir: [source files]} from CMake's generated unity sources."""
+    # CMake leaves the batches of an earlier configuration in place: with
+    # Ninja, only those build.ninja compiles are the build's.
+    ninja = pathlib.Path(build_dir) / "build.ninja"
+    built = ninja.read_text() if ninja.exists() else None
     targets = collections.defaultdict(list)
     for unity in sorted(pathlib.Path(build_dir).rglob("Unity/unity_*.cxx")):
+        if built is not None and str(unity.absolute()) not in built and str(unity.resolve()) not in built:
+            continue
         for m in re.finditer(r'#include\s+"([^"]+)"', unity.read_text()):
-            targets[str(unity.parent.parent)].append(pathlib.Path(m.group(1)))
+            f = pathlib.Path(m.group(1))
+            if f not in targets[str(unity.parent.parent)]:
+                targets[str(unity.parent.parent)].append(f)
     return targets
 
 

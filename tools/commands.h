@@ -9,6 +9,10 @@
 
 namespace strata::tools {
 
+/// Parses the command line into `app` and runs the chosen verb: 0, or a
+/// message on stderr and CLI11's status (bad arguments) or 1 (a failure).
+int parse_and_run(CLI::App& app, int argc, char** argv);
+
 void add_info_command(CLI::App& app);
 void add_bench_command(CLI::App& app);
 void add_trace_command(CLI::App& app);
