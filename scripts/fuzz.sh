@@ -16,12 +16,17 @@ out="$root/build-fuzz"
 mkdir -p "$out/corpus"
 command -v clang++ > /dev/null || { echo "clang++ is missing: run scripts/setup.sh test first" >&2; exit 1; }
 
-echo "==> building the fuzz target with clang"
-clang++ -std=c++17 -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
-  -I"$root/core/include" -I"$root/checkpoint/include" \
-  "$root/fuzz/fuzz_checkpoint.cpp" "$root/checkpoint/safetensors.cpp" "$root/checkpoint/checkpoint_dir.cpp" \
-  "$root/checkpoint/files.cpp" "$root/core/error.cpp" "$root/core/bytes.cpp" "$root/core/log.cpp" \
-  "$root/core/dtype.cpp" -lfmt -lxxhash -o "$out/fuzz_checkpoint"
+echo "==> building the fuzz target with clang ($(nproc) files at a time)"
+sources=(fuzz/fuzz_checkpoint.cpp checkpoint/safetensors.cpp checkpoint/checkpoint_dir.cpp checkpoint/files.cpp
+  core/error.cpp core/bytes.cpp core/log.cpp core/dtype.cpp)
+flags=(-std=c++17 -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined)
+rm -rf "$out/obj" && mkdir -p "$out/obj"
+# One object per source, compiled side by side; libFuzzer's main joins at the link.
+printf '%s\n' "${sources[@]}" | xargs -P "$(nproc)" -I{} sh -c \
+  'r="$0"; o="$1"; shift; clang++ "$@" -c "$r/{}" -o "$o/obj/$(echo {} | tr / _).o"' "$root" "$out" \
+  "${flags[@]/-fsanitize=fuzzer,address,undefined/-fsanitize=fuzzer-no-link,address,undefined}" \
+  -I"$root/core/include" -I"$root/checkpoint/include"
+clang++ "${flags[@]}" "$out"/obj/*.o -lfmt -lxxhash -o "$out/fuzz_checkpoint"
 
 # Seeds: selector byte 0 + a safetensors file; selector byte 1 + a manifest.
 header='{"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"__metadata__":{"format":"pt"}}'
