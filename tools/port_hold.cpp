@@ -18,12 +18,19 @@ PortHold::PortHold() {
   a.sin_port = 0;
   socklen_t len = sizeof a;
   const int one = 1;
+  const char* call = "bind";  // the call that failed, for the message
   int err = STRATA_SYSCALL_ERRNO(::bind(fd_, reinterpret_cast<sockaddr*>(&a), sizeof a));
-  if (err == 0) err = STRATA_SYSCALL_ERRNO(::getsockname(fd_, reinterpret_cast<sockaddr*>(&a), &len));
-  if (err == 0) err = STRATA_SYSCALL_ERRNO(::setsockopt(fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one));
+  if (err == 0) {
+    call = "getsockname";
+    err = STRATA_SYSCALL_ERRNO(::getsockname(fd_, reinterpret_cast<sockaddr*>(&a), &len));
+  }
+  if (err == 0) {
+    call = "setsockopt(SO_REUSEADDR)";
+    err = STRATA_SYSCALL_ERRNO(::setsockopt(fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one));
+  }
   if (err != 0) {
     ::close(fd_);
-    STRATA_FAIL_ERRNO(err, "bind", "cannot find a free TCP port (give --master-port)");
+    STRATA_FAIL_ERRNO(err, call, "cannot find a free TCP port (give --master-port)");
   }
   port_ = ntohs(a.sin_port);
 }
