@@ -16,17 +16,20 @@ out="$root/build-fuzz"
 mkdir -p "$out/corpus"
 command -v clang++ > /dev/null || { echo "clang++ is missing: run scripts/setup.sh test first" >&2; exit 1; }
 
-echo "==> building the fuzz target with clang ($(nproc) files at a time)"
+echo "==> building the fuzz target with clang (its sources side by side, then one link)"
 sources=(fuzz/fuzz_checkpoint.cpp checkpoint/safetensors.cpp checkpoint/checkpoint_dir.cpp checkpoint/files.cpp
   core/error.cpp core/bytes.cpp core/log.cpp core/dtype.cpp)
-flags=(-std=c++17 -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined)
+common=(-std=c++17 -g -O1 -fno-sanitize-recover=undefined)
 rm -rf "$out/obj" && mkdir -p "$out/obj"
-# One object per source, compiled side by side; libFuzzer's main joins at the link.
-printf '%s\n' "${sources[@]}" | xargs -P "$(nproc)" -I{} sh -c \
-  'r="$0"; o="$1"; shift; clang++ "$@" -c "$r/{}" -o "$o/obj/$(echo {} | tr / _).o"' "$root" "$out" \
-  "${flags[@]/-fsanitize=fuzzer,address,undefined/-fsanitize=fuzzer-no-link,address,undefined}" \
-  -I"$root/core/include" -I"$root/checkpoint/include"
-clang++ "${flags[@]}" "$out"/obj/*.o -lfmt -lxxhash -o "$out/fuzz_checkpoint"
+pids=()
+for src in "${sources[@]}"; do
+  # fuzzer-no-link: instrumented for libFuzzer, whose main joins at the link below.
+  clang++ "${common[@]}" -fsanitize=fuzzer-no-link,address,undefined -I"$root/core/include" \
+    -I"$root/checkpoint/include" -c "$root/$src" -o "$out/obj/${src//\//_}.o" &
+  pids+=($!)
+done
+for pid in "${pids[@]}"; do wait "$pid"; done  # set -e: a failed compile stops the script here
+clang++ "${common[@]}" -fsanitize=fuzzer,address,undefined "$out"/obj/*.o -lfmt -lxxhash -o "$out/fuzz_checkpoint"
 
 # Seeds: selector byte 0 + a safetensors file; selector byte 1 + a manifest.
 header='{"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"__metadata__":{"format":"pt"}}'

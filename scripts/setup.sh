@@ -139,8 +139,8 @@ if [ "$mode" = torch2-inside ]; then
   # Inside the chroot (Note [LibTorch 2.x in a chroot]): no CUDA there (the
   # host's build compiles the .cu files), no debug information, and -O1: this
   # build checks that strata compiles and passes against 2.6, not its speed
-  # (the host's -O2 build runs the benchmarks). g++ 14 compiled the largest
-  # unity batch of strata_parallel in 18.0 s at -O1 against 33.8 s at -O2.
+  # (the host's -O2 build runs the benchmarks). g++ 14 compiled one of
+  # strata_parallel's unity batches in 18.0 s at -O1 against 33.8 s at -O2.
   configure_and_build build-torch2 -DCMAKE_BUILD_TYPE=Release "-DCMAKE_CXX_FLAGS_RELEASE=-O1 -DNDEBUG" \
     "-DCMAKE_C_FLAGS_RELEASE=-O1 -DNDEBUG" -DSTRATA_WITH_CUDA=OFF
   step "running the test suite against LibTorch 2.6 (ctest ${*:-all})"

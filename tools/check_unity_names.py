@@ -136,9 +136,7 @@ def unity_targets(build_dir):
         if built is not None and str(unity.absolute()) not in built and str(unity.resolve()) not in built:
             continue
         for m in re.finditer(r'#include\s+"([^"]+)"', unity.read_text()):
-            f = pathlib.Path(m.group(1))
-            if f not in targets[str(unity.parent.parent)]:
-                targets[str(unity.parent.parent)].append(f)
+            targets[str(unity.parent.parent)].append(pathlib.Path(m.group(1)))
     return targets
 
 

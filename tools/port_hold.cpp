@@ -18,20 +18,16 @@ PortHold::PortHold() {
   a.sin_port = 0;
   socklen_t len = sizeof a;
   const int one = 1;
-  const char* call = "bind";  // the call that failed, for the message
-  int err = STRATA_SYSCALL_ERRNO(::bind(fd_, reinterpret_cast<sockaddr*>(&a), sizeof a));
-  if (err == 0) {
-    call = "getsockname";
-    err = STRATA_SYSCALL_ERRNO(::getsockname(fd_, reinterpret_cast<sockaddr*>(&a), &len));
-  }
-  if (err == 0) {
-    call = "setsockopt(SO_REUSEADDR)";
-    err = STRATA_SYSCALL_ERRNO(::setsockopt(fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one));
-  }
-  if (err != 0) {
+  // Each failure closes the socket and names its call.
+  const auto check = [&](int err, const char* call) {
+    if (err == 0) return;
     ::close(fd_);
     STRATA_FAIL_ERRNO(err, call, "cannot find a free TCP port (give --master-port)");
-  }
+  };
+  check(STRATA_SYSCALL_ERRNO(::bind(fd_, reinterpret_cast<sockaddr*>(&a), sizeof a)), "bind");
+  check(STRATA_SYSCALL_ERRNO(::getsockname(fd_, reinterpret_cast<sockaddr*>(&a), &len)), "getsockname");
+  check(STRATA_SYSCALL_ERRNO(::setsockopt(fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one)),
+        "setsockopt(SO_REUSEADDR)");
   port_ = ntohs(a.sin_port);
 }
 
